@@ -1,0 +1,35 @@
+"""Every error perdure raises on purpose: each names what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class PerdureError(Exception):
+    """Base of perdure's own errors. The message alone must tell the user what to do; no traceback is needed."""
+
+
+class ConfigError(PerdureError, ValueError):
+    """A config key holds a value perdure cannot use. Raised before anything is written."""
+
+    def __init__(self, key: str, value: object, fix: str):
+        self.key, self.value, self.fix = key, value, fix
+        super().__init__(f"config key '{key}' = {value!r}: {fix}")
+
+
+class CheckpointError(PerdureError):
+    """A checkpoint cannot be used (missing, corrupt, or made by a different config)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint directory failed verification. `reason` says which file and how."""
+
+    def __init__(self, path: object, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"checkpoint {path} is not valid: {reason}")
+
+
+class ResumeError(PerdureError):
+    """The requested restore cannot be honoured without losing or overwriting committed work."""
+
+
+class StackNotAvailableError(PerdureError):
+    """The configured `stack` is not implemented in this version."""
