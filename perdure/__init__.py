@@ -1,0 +1,40 @@
+"""perdure: a PyTorch trainer whose runs survive anything and resume bit for bit."""
+
+from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy
+from perdure.checkpoints.file import FileCheckpointManager
+from perdure.config import RunnerConfig
+from perdure.data.loader import ResumableLoader
+from perdure.data.sampler import ResumableSampler
+from perdure.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ConfigError,
+    PerdureError,
+    ResumeError,
+    StackNotAvailableError,
+)
+from perdure.runners.base import BaseRunner
+from perdure.runners.runner import Runner
+from perdure.runners.state import RunnerState
+from perdure.runners.torch_runner import TorchRunner
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BaseRunner",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointPolicy",
+    "ConfigError",
+    "FileCheckpointManager",
+    "PerdureError",
+    "ResumableLoader",
+    "ResumableSampler",
+    "ResumeError",
+    "Runner",
+    "RunnerConfig",
+    "RunnerState",
+    "StackNotAvailableError",
+    "TorchRunner",
+]

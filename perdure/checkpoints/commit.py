@@ -1,0 +1,343 @@
+"""The checkpoint commit protocol: the one place where a checkpoint comes into existence.
+
+Every backend (file, DCP, DeepSpeed) writes into a staging directory made by `make_staging_dir`, then calls
+`commit_checkpoint`, which fsyncs every file, writes `manifest.json` last, fsyncs, renames the directory into place
+and fsyncs the parent. Only after that may the `latest` / `best` pointers move (`write_pointer`). A directory whose
+manifest does not verify (`verify_checkpoint`) is not a checkpoint; `quarantine` moves such a directory aside and
+never deletes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
+
+import xxhash
+
+from perdure.errors import CheckpointCorruptError, CheckpointError
+
+HASH_ALGORITHM = "xxh3_128"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "perdure-checkpoint/1"
+CHECKPOINT_PATTERN = re.compile(r"^ckpt-(?:s(?P<step>\d{12,})|e(?P<epoch>\d{6,}))$")
+STAGING_PREFIX = ".tmp-"
+QUARANTINE_DIR = "quarantine"
+POINTERS = ("latest", "best")
+_RESERVED_KEYS = ("format", "name", "created", "hash", "files")
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """Size in bytes and `HASH_ALGORITHM` hex digest of one file in a checkpoint."""
+
+    size: int
+    digest: str
+
+
+class HashingWriter:
+    """Binary file wrapper that hashes and counts every byte on its way to disk (works with `torch.save`)."""
+
+    def __init__(self, file: BinaryIO):
+        self._file = file
+        self._hasher = xxhash.xxh3_128()
+        self._size = 0
+
+    def write(self, data: Any) -> int:
+        """Forward `data` (any bytes-like object) to the file, hashing exactly the bytes the file accepted."""
+        view = memoryview(data).cast("B")
+        written = self._file.write(view)
+        written = len(view) if written is None else written
+        self._hasher.update(view[:written])
+        self._size += written
+        return written
+
+    def flush(self) -> None:
+        """Flush the wrapped file's buffer."""
+        self._file.flush()
+
+    def tell(self) -> int:
+        """Bytes written so far (the stream is append-only; seeking would invalidate the digest)."""
+        return self._size
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def record(self) -> FileRecord:
+        """Size and digest of everything written so far."""
+        return FileRecord(self._size, self._hasher.hexdigest())
+
+
+def checkpoint_name(*, step: int | None = None, epoch: int | None = None) -> str:
+    """Directory name of a checkpoint: `ckpt-s{step:012d}` or `ckpt-e{epoch:06d}`; give exactly one of them."""
+    if (step is None) == (epoch is None):
+        raise ValueError(f"checkpoint_name needs exactly one of step / epoch, got step={step!r} epoch={epoch!r}")
+    value = step if step is not None else epoch
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"checkpoint step / epoch must be a non-negative int, got {value!r}")
+    return f"ckpt-s{step:012d}" if step is not None else f"ckpt-e{epoch:06d}"
+
+
+def write_file(path: Path, write: Callable[[BinaryIO], None]) -> FileRecord:
+    """Create `path` (never overwrites), let `write(fileobj)` fill it, fsync it; return its size and digest.
+
+    The digest is computed while writing, so the file is never read back. A partial file is removed on failure.
+    """
+    path = Path(path)
+    with open(path, "xb") as file:
+        try:
+            writer = HashingWriter(file)
+            write(writer)  # type: ignore[arg-type]
+            file.flush()
+            os.fsync(file.fileno())
+        except BaseException:
+            file.close()
+            path.unlink(missing_ok=True)
+            raise
+    return writer.record()
+
+
+def hash_file(path: Path, chunk: int = 8 << 20) -> FileRecord:
+    """Size and digest of an existing file, read in `chunk`-byte pieces."""
+    hasher, size = xxhash.xxh3_128(), 0
+    buffer = bytearray(chunk)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as file:
+        while n := file.readinto(buffer):
+            hasher.update(view[:n])
+            size += n
+    return FileRecord(size, hasher.hexdigest())
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that entries created, renamed or removed in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically: a reader sees the old content or the new one, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "x", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def make_staging_dir(root: Path, name: str) -> Path:
+    """Create a fresh staging directory `root/.tmp-<name>-<pid>-<random>` (and `root` if needed)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f"{STAGING_PREFIX}{name}-{os.getpid()}-{secrets.token_hex(4)}"
+    staging.mkdir()
+    return staging
+
+
+def _utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _is_safe_relpath(rel: str) -> bool:
+    pure = PurePosixPath(rel)
+    return bool(rel) and not pure.is_absolute() and ".." not in pure.parts and "\\" not in rel and rel == str(pure)
+
+
+def commit_checkpoint(
+    staging: Path, final: Path, files: Mapping[str, FileRecord], meta: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Turn a fully written staging directory into the committed checkpoint `final`; return its manifest.
+
+    `files` maps the relative posix path of every file in `staging` (written by any rank) to its record. Refuses
+    (CheckpointError) when `final` exists, is not a checkpoint name or not a sibling of `staging`, or when a listed
+    file is missing / has another size, or when `staging` holds a file that is not listed (it could not be verified).
+    Every listed file and directory is fsynced, `manifest.json` is written last, then the directory is renamed into
+    place and the parent fsynced. Pointers are the caller's job, after this returns.
+    """
+    staging, final = Path(staging), Path(final)
+    if final.exists():
+        raise CheckpointError(f"checkpoint {final} already exists; committed checkpoints are immutable")
+    if not CHECKPOINT_PATTERN.match(final.name):
+        raise CheckpointError(f"{final.name!r} is not a checkpoint name; use checkpoint_name(step=...|epoch=...)")
+    if staging.resolve().parent != final.resolve().parent:
+        raise CheckpointError(f"staging dir {staging} must be a sibling of {final} (the commit is a rename)")
+    if clash := [k for k in _RESERVED_KEYS if k in meta]:
+        raise CheckpointError(f"manifest metadata may not set {clash}: commit_checkpoint owns those keys")
+    if (staging / MANIFEST_NAME).exists() or MANIFEST_NAME in files:
+        raise CheckpointError(f"{staging}: {MANIFEST_NAME} is written by commit_checkpoint, not by the backend")
+
+    for rel, record in files.items():
+        if not _is_safe_relpath(rel):
+            raise CheckpointError(f"{staging}: file key {rel!r} must be a relative posix path inside the checkpoint")
+        path = staging / rel
+        if not path.is_file():
+            raise CheckpointError(f"{staging}: {rel} is listed but missing")
+        if (size := path.stat().st_size) != record.size:
+            raise CheckpointError(f"{staging}: {rel}: size {size} != {record.size} recorded when it was written")
+    on_disk = {(Path(d) / f).relative_to(staging).as_posix() for d, _, names in os.walk(staging) for f in names}
+    if unlisted := sorted(on_disk - set(files)):
+        raise CheckpointError(f"{staging}: files not listed for the manifest (they could not be verified): {unlisted}")
+
+    manifest: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "name": final.name,
+        "created": _utc_now().isoformat(timespec="milliseconds"),
+        "hash": HASH_ALGORITHM,
+        **meta,
+        "files": {rel: {"size": r.size, "digest": r.digest} for rel, r in sorted(files.items())},
+    }
+    text = json.dumps(manifest, indent=2) + "\n"  # serialise before touching the disk: bad meta leaves no manifest
+
+    # Files written by other ranks or by a library (DCP, DeepSpeed) may not have been fsynced; fsync of an already
+    # clean file costs next to nothing.
+    for rel in files:
+        _fsync_file(staging / rel)
+    write_file(staging / MANIFEST_NAME, lambda f: f.write(text.encode("utf-8")))
+    for directory, _, _ in os.walk(staging, topdown=False):
+        fsync_dir(Path(directory))
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+    return manifest
+
+
+def write_pointer(root: Path, pointer: str, target_name: str) -> None:
+    """Atomically point `root/<pointer>` (`latest` or `best`) at the committed checkpoint `target_name`."""
+    if pointer not in POINTERS:
+        raise ValueError(f"pointer must be one of {POINTERS}, got {pointer!r}")
+    if not CHECKPOINT_PATTERN.match(target_name):
+        raise ValueError(f"pointer target must be a checkpoint directory name, got {target_name!r}")
+    atomic_write_text(Path(root) / pointer, target_name + "\n")
+
+
+def read_pointer(root: Path, pointer: str) -> str | None:
+    """Content of `root/<pointer>`, stripped; None if the file is missing. Never raises: garbage is returned as is."""
+    try:
+        return (Path(root) / pointer).read_bytes().decode("utf-8", errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"<unreadable: {exc}>"
+
+
+def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
+    """Parse and structurally check `ckpt_dir/manifest.json`; CheckpointCorruptError says what is wrong."""
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} missing") from None
+    except OSError as exc:
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} unreadable: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} is not a JSON object")
+    if (fmt := manifest.get("format")) != MANIFEST_FORMAT:
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} format {fmt!r}, expected {MANIFEST_FORMAT!r}")
+    if missing := [k for k in _RESERVED_KEYS if k not in manifest]:
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} lacks field(s) {missing}")
+    if manifest["hash"] != HASH_ALGORITHM:
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} uses hash {manifest['hash']!r}, not {HASH_ALGORITHM}")
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} 'files' is not an object")
+    for rel, entry in files.items():
+        ok = isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("digest"), str)
+        if not ok or not _is_safe_relpath(rel):
+            raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} has a malformed entry for {rel!r}")
+    return manifest
+
+
+def verify_checkpoint(ckpt_dir: Path, *, deep: bool = True, check_name: bool = True) -> dict[str, Any]:
+    """Check that `ckpt_dir` is exactly what its manifest describes; return the manifest.
+
+    Every listed file must exist with its listed size; `deep` also re-hashes each file. With `check_name` the
+    manifest's name must equal the directory name (a renamed checkpoint would break the step order). Raises
+    CheckpointCorruptError whose reason names the file, e.g. "state.pth: checksum mismatch".
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointCorruptError(ckpt_dir, "not a directory" if ckpt_dir.exists() else "does not exist")
+    manifest = read_manifest(ckpt_dir)
+    if check_name and manifest["name"] != ckpt_dir.name:
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} names {manifest['name']!r}, not {ckpt_dir.name!r}")
+    files: dict[str, dict[str, Any]] = manifest["files"]
+    for rel, entry in files.items():  # all sizes first: cheap, and catches truncation before any hashing
+        path = ckpt_dir / rel
+        if not path.is_file():
+            raise CheckpointCorruptError(ckpt_dir, f"{rel} missing")
+        if (size := path.stat().st_size) != entry["size"]:
+            raise CheckpointCorruptError(ckpt_dir, f"{rel}: size {size} != {entry['size']} in manifest")
+    if deep:
+        for rel, entry in files.items():
+            try:
+                record = hash_file(ckpt_dir / rel)
+            except OSError as exc:
+                raise CheckpointCorruptError(ckpt_dir, f"{rel}: unreadable: {exc}") from None
+            if record.digest != entry["digest"] or record.size != entry["size"]:
+                raise CheckpointCorruptError(ckpt_dir, f"{rel}: checksum mismatch")
+    return manifest
+
+
+def quarantine(ckpt_dir: Path, reason: str) -> Path:
+    """Move `ckpt_dir` to `<root>/quarantine/<name>-<UTC time>` with a REASON.txt inside; return the new path.
+
+    Nothing is deleted: the user can inspect the directory and move it back. Leading dots are dropped from the new
+    name so that quarantined staging directories (`.tmp-*`) are visible.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    now = _utc_now()
+    qroot = ckpt_dir.parent / QUARANTINE_DIR
+    qroot.mkdir(exist_ok=True)
+    base = f"{ckpt_dir.name.lstrip('.')}-{now.strftime('%Y%m%dT%H%M%SZ')}"
+    dest, n = qroot / base, 0
+    while dest.exists() or dest.is_symlink():
+        n += 1
+        dest = qroot / f"{base}-{n}"
+    os.rename(ckpt_dir, dest)
+    fsync_dir(qroot)
+    fsync_dir(ckpt_dir.parent)
+
+    text = (
+        f"quarantined: {now.isoformat(timespec='seconds')}\n"
+        f"original path: {ckpt_dir}\n"
+        f"reason: {reason}\n"
+        "perdure never deletes a quarantined checkpoint: inspect it, then delete it or move it back yourself.\n"
+    )
+    if dest.is_dir():
+        note, n = dest / "REASON.txt", 0
+        while note.exists():  # never overwrite a file that came with the directory
+            n += 1
+            note = dest / f"REASON-{n}.txt"
+    else:
+        note = dest.with_name(dest.name + ".REASON.txt")
+    write_file(note, lambda f: f.write(text.encode("utf-8")))
+    fsync_dir(note.parent)
+    return dest

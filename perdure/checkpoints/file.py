@@ -1,0 +1,56 @@
+"""FileCheckpointManager: replicated state in `state.pth` (rank 0), rank-local state in `rank{r:05d}.pth`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perdure.checkpoints.base import CheckpointManager, Stateful
+from perdure.checkpoints.commit import FileRecord, write_file
+
+logger = logging.getLogger("perdure")
+
+REPLICATED_FILE = "state.pth"
+
+
+def local_file(rank: int) -> str:
+    return f"rank{rank:05d}.pth"
+
+
+class FileCheckpointManager(CheckpointManager):
+    """Plain `torch.save` files, checksummed while they are written. Not collective."""
+
+    backend = "file"
+    collective = False
+
+    def write(self, staging: Path, replicated: dict[str, Any], local: dict[str, Any]) -> dict[str, FileRecord]:
+        files: dict[str, FileRecord] = {}
+        if self.rank == 0:
+            files[REPLICATED_FILE] = write_file(staging / REPLICATED_FILE, lambda f: torch.save(replicated, f))
+        name = local_file(self.rank)
+        files[name] = write_file(staging / name, lambda f: torch.save(local, f))
+        return files
+
+    def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> None:
+        replicated = torch.load(path / REPLICATED_FILE, map_location="cpu", weights_only=True)
+        for key, state in states.items():
+            if key in replicated:
+                state.load_state_dict(replicated[key])
+        local_path = path / local_file(self.rank)
+        if not local_path.exists():
+            logger.warning(
+                "checkpoint %s has no rank-local state for rank %d (it was written by %s ranks): "
+                "RNG and data position for this rank are derived instead",
+                path.name,
+                self.rank,
+                "fewer",
+            )
+            return
+        local = torch.load(local_path, map_location="cpu", weights_only=True)
+        for key, state in local_states.items():
+            if key in local:
+                state.load_state_dict(local[key])

@@ -1,0 +1,252 @@
+"""Deciding which checkpoint to load: follow the pointer, verify, quarantine what is bad, fall back to older ones.
+
+The rule (see ARCHITECTURE.md, "Checkpoint contract"): a checkpoint exists only if its manifest verifies. `latest` is
+a hint; the newest committed directory that verifies wins, because a kill between the commit (rename) and the
+pointer update leaves a good checkpoint newer than the pointer. Nothing is ever deleted: bad directories are moved to
+`<checkpoints>/quarantine/` with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from perdure.checkpoints.commit import (
+    CHECKPOINT_PATTERN,
+    MANIFEST_NAME,
+    STAGING_PREFIX,
+    fsync_dir,
+    quarantine,
+    read_manifest,
+    read_pointer,
+    verify_checkpoint,
+    write_pointer,
+)
+from perdure.errors import CheckpointCorruptError, CheckpointError
+
+logger = logging.getLogger("perdure")
+Warn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint that verified: where it is, its name, and its manifest."""
+
+    path: Path
+    name: str
+    manifest: dict[str, Any]
+
+    @property
+    def global_step(self) -> int | None:
+        """`global_step` recorded in the manifest (None if the backend did not record one)."""
+        return self.manifest.get("global_step")
+
+    @property
+    def epoch(self) -> int | None:
+        """`epoch` recorded in the manifest (None if the backend did not record one)."""
+        return self.manifest.get("epoch")
+
+
+def _manifest_step(path: Path) -> int | None:
+    try:
+        step = read_manifest(path).get("global_step")
+    except CheckpointCorruptError:
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Directories in `root` named like committed checkpoints, newest first (by global step, then by name).
+
+    Being listed does not mean a directory verifies; see `resolve_latest`.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps: dict[Path, int | None] = {}
+    epochs: dict[Path, int] = {}
+    for path in root.iterdir():
+        match = CHECKPOINT_PATTERN.match(path.name)
+        if not match or not path.is_dir():
+            continue
+        if match["step"] is not None:
+            steps[path] = int(match["step"])
+        else:  # epoch-named: only the manifest knows the step
+            steps[path], epochs[path] = _manifest_step(path), int(match["epoch"])
+    # An epoch dir with an unreadable manifest takes the step of the newest readable older epoch, so that it still
+    # sorts by its epoch number: it is then tried (and quarantined) before the older ones, not silently left behind.
+    for path in [p for p, s in steps.items() if s is None]:
+        older = [s for p, s in steps.items() if s is not None and epochs.get(p, -1) < epochs[path] and p in epochs]
+        steps[path] = max(older, default=-1)
+    return sorted(steps, key=lambda p: (steps[p], epochs.get(p, -1), p.name), reverse=True)
+
+
+def _describe(info: CheckpointInfo) -> str:
+    where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
+    return f"{info.name} ({', '.join(where)})" if where else info.name
+
+
+def _check_latest_pointer(root: Path, pointer: str | None, n_dirs: int, warn: Warn) -> str | None:
+    """Warn about a missing / garbage / dangling `latest`; return the pointer if it names an existing dir."""
+    path = root / "latest"
+    if pointer is None:
+        if n_dirs:
+            warn(
+                f"CHECKPOINT PROBLEM: pointer {path} is missing but {n_dirs} checkpoint dir(s) exist "
+                "(a save was interrupted, or the file was removed); choosing the newest checkpoint that verifies."
+            )
+        return None
+    if not CHECKPOINT_PATTERN.match(pointer):
+        warn(
+            f"CHECKPOINT PROBLEM: pointer {path} holds {pointer[:200]!r}, which is not a checkpoint name "
+            "(expected ckpt-s<12 digits> or ckpt-e<6 digits>); ignoring it and choosing the newest checkpoint "
+            "that verifies."
+        )
+        return None
+    if not (root / pointer).is_dir():
+        warn(
+            f"CHECKPOINT PROBLEM: pointer {path} names {pointer}, which does not exist in {root}; "
+            "choosing the newest checkpoint that verifies."
+        )
+        return None
+    return pointer
+
+
+def _repair_pointers(root: Path, pointer: str | None, chosen: CheckpointInfo | None, warn: Warn) -> None:
+    """Make `latest` name the chosen checkpoint (or remove it when none verifies); drop a `best` naming nothing."""
+    if chosen is not None and pointer != chosen.name:
+        write_pointer(root, "latest", chosen.name)
+        warn(f"CHECKPOINT REPAIR: {root / 'latest'} now names {chosen.name} (it held {pointer!r}).")
+    elif chosen is None and (root / "latest").exists():
+        os.unlink(root / "latest")
+        fsync_dir(root)
+        warn(f"CHECKPOINT REPAIR: removed {root / 'latest'} ({pointer!r}): no checkpoint in {root} verifies.")
+    # `best` is only ever re-pointed by a save whose score improved: pointing it at another checkpoint here would
+    # claim a score that checkpoint does not have. A `best` that names no existing directory is removed instead.
+    best = read_pointer(root, "best")
+    if best is not None and not (CHECKPOINT_PATTERN.match(best) and (root / best).is_dir()):
+        os.unlink(root / "best")
+        fsync_dir(root)
+        warn(
+            f"CHECKPOINT REPAIR: removed {root / 'best'}: it named {best[:200]!r}, which is not a committed "
+            "checkpoint (quarantined or missing); the next save whose score improves sets it again."
+        )
+
+
+def resolve_latest(
+    root: Path, *, repair: bool = True, warn: Warn | None = None, deep: bool = True
+) -> CheckpointInfo | None:
+    """The newest checkpoint in a run's checkpoints dir `root` that verifies, or None if there is none.
+
+    With `repair` (the run's owner, rank 0, before this process starts saving): leftover staging dirs are
+    quarantined as interrupted saves, every bad checkpoint newer than the chosen one is quarantined with its reason,
+    `latest` is rewritten to the chosen one (removed when none verifies) and a `best` that names no existing
+    checkpoint is removed. Without `repair` nothing is moved or written; bad checkpoints are skipped. Every problem is
+    reported through `warn` (default: the "perdure" logger at WARNING). Never raises for a corrupt checkpoint.
+    """
+    root = Path(root)
+    warn = warn or logger.warning
+    if not root.is_dir():
+        return None
+
+    if repair:
+        for staging in sorted(p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.is_dir()):
+            try:
+                moved = quarantine(staging, f"interrupted save: staging dir {staging.name} was never committed")
+            except OSError as exc:  # leftover debris must not stop a resume
+                warn(f"CHECKPOINT PROBLEM: could not quarantine the interrupted save {staging}: {exc}")
+                continue
+            warn(
+                f"CHECKPOINT PROBLEM: {staging} is an interrupted save (the process stopped before it was "
+                f"committed); moved to {moved}. Nothing committed was lost."
+            )
+
+    candidates = committed_checkpoints(root)
+    pointer = read_pointer(root, "latest")
+    valid_pointer = _check_latest_pointer(root, pointer, len(candidates), warn)
+
+    chosen: CheckpointInfo | None = None
+    failures: list[tuple[Path, str, Path | None]] = []  # (dir, reason, where it was moved)
+    for path in candidates:
+        try:
+            manifest = verify_checkpoint(path, deep=deep)
+        except CheckpointCorruptError as exc:
+            moved = None
+            if repair:
+                try:
+                    moved = quarantine(path, exc.reason)
+                except OSError as qexc:  # still skip it: a bad checkpoint is never loaded
+                    warn(f"CHECKPOINT PROBLEM: could not quarantine {path}: {qexc}")
+            failures.append((path, exc.reason, moved))
+            continue
+        chosen = CheckpointInfo(path, path.name, manifest)
+        break
+
+    instead = f"resuming from {_describe(chosen)} instead" if chosen else "no older checkpoint verifies"
+    for path, reason, moved in failures:
+        fate = f"moved to {moved} (nothing deleted)" if moved else "left in place" if not repair else "skipped"
+        warn(f"CHECKPOINT PROBLEM: {path} failed verification: {reason}. It was {fate}; {instead}.")
+    if chosen is not None and valid_pointer is not None and valid_pointer != chosen.name and not failures:
+        warn(
+            f"CHECKPOINT NOTE: {root / 'latest'} names {valid_pointer} but the newer {chosen.name} is fully "
+            "committed (the pointer update was interrupted); using the newer one."
+        )
+    if repair:
+        try:
+            _repair_pointers(root, pointer, chosen, warn)
+        except OSError as exc:  # e.g. a directory named `latest`: report, but still resume from the good checkpoint
+            warn(f"CHECKPOINT PROBLEM: could not repair the pointers in {root}: {exc}")
+    return chosen
+
+
+def resolve_path(path: Path, *, warn: Warn | None = None) -> CheckpointInfo:
+    """Resolve a user-given path (`--checkpoint`, `from_checkpoint`) to a verified checkpoint.
+
+    Accepts a checkpoint dir (verified; CheckpointCorruptError if bad, since the user named it), a checkpoints dir
+    (holds ckpt-* dirs or `latest`) or a run dir (has `checkpoints/`); the last two resolve to their newest good
+    checkpoint without modifying anything. Anything else raises CheckpointError saying what was looked for.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint path {path} is a file; a checkpoint is a directory holding {MANIFEST_NAME} "
+            "(for model weights only, use --pretrained)"
+        )
+    if (path / MANIFEST_NAME).exists() or CHECKPOINT_PATTERN.match(path.name):
+        # A copy under another name (e.g. "best-model/") is fine; a ckpt-* name must match its manifest.
+        manifest = verify_checkpoint(path, check_name=bool(CHECKPOINT_PATTERN.match(path.name)))
+        return CheckpointInfo(path, manifest["name"], manifest)
+    for root in (path, path / "checkpoints"):
+        if root.is_dir() and ((root / "latest").exists() or committed_checkpoints(root)):
+            info = resolve_latest(root, repair=False, warn=warn)
+            if info is None:
+                raise CheckpointError(f"{root} holds checkpoints but none verifies (see the warnings above)")
+            return info
+    raise CheckpointError(
+        f"{path} is not a checkpoint: looked for {MANIFEST_NAME} (a checkpoint dir), ckpt-* dirs or a `latest` "
+        "pointer (a checkpoints dir) and a checkpoints/ subdir (a run dir)"
+    )
+
+
+def best_checkpoint(root: Path, *, warn: Warn | None = None) -> CheckpointInfo | None:
+    """The checkpoint `root/best` names, verified; None if there is no `best` or it does not verify."""
+    root = Path(root)
+    name = read_pointer(root, "best")
+    if name is None:
+        return None
+    warn = warn or logger.warning
+    if not CHECKPOINT_PATTERN.match(name):
+        warn(f"CHECKPOINT PROBLEM: pointer {root / 'best'} holds {name[:200]!r}, not a checkpoint name; ignoring it.")
+        return None
+    try:
+        manifest = verify_checkpoint(root / name)
+    except CheckpointCorruptError as exc:
+        warn(f"CHECKPOINT PROBLEM: best checkpoint {root / name} failed verification: {exc.reason}; ignoring it.")
+        return None
+    return CheckpointInfo(root / name, name, manifest)

@@ -1,0 +1,569 @@
+"""RunnerConfig: every knob of a run, with defaults, a strict command-line parser and validation.
+
+Users subclass `RunnerConfig` and set or add keys in `__init__` after `super().__init__()`; whatever the config holds
+after construction is a known key. `parse()` reads `--a.b value`, `--a.b=value`, bare boolean flags and
+`--config file.yaml`, rejects unknown keys with a suggestion, and ends with `check()`, which validates every value
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import chanfig
+import yaml
+from typing_extensions import Self
+
+from perdure.errors import ConfigError, PerdureError
+
+STACKS = ("torch", "parallel", "deepspeed")
+PRECISIONS = ("fp32", "bf16", "fp16")
+CKPT_BACKENDS = ("auto", "file", "dcp", "deepspeed")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULERS = ("none", "constant", "cosine", "linear")
+SCORE_MODES = ("min", "max")
+EXPORT_DTYPES = (None, "fp32", "bf16", "fp16")
+RESUME_VALUES = ("auto", True, False)
+LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
+
+# Keys holding a path or a name: command-line text is kept verbatim (no YAML typing); "none" / "null" clear them.
+OPTIONAL_STR_KEYS = frozenset(
+    {"checkpoint", "pretrained", "workspace.root", "workspace.lineage", "workspace.id", "ckpt.export_dtype"}
+)
+
+_CHOICES: dict[str, tuple] = {
+    "stack": STACKS,
+    "precision": PRECISIONS,
+    "resume": RESUME_VALUES,
+    "ckpt.backend": CKPT_BACKENDS,
+    "ckpt.export_dtype": EXPORT_DTYPES,
+    "optim.name": OPTIMIZERS,
+    "sched.name": SCHEDULERS,
+    "score.mode": SCORE_MODES,
+}
+# key: (minimum, None allowed)
+_COUNTS: dict[str, tuple[int, bool]] = {
+    "accum_steps": (1, False),
+    "eval_interval": (1, True),
+    "ckpt.interval": (1, True),
+    "ckpt.interval_steps": (1, True),
+    "ckpt.keep_latest_k": (0, False),
+    "sched.warmup_steps": (0, False),
+    "score.patience": (0, False),
+    "log.interval": (1, False),
+}
+_BOOLS = ("skip_nonfinite_grad", "ckpt.enabled", "ckpt.save_best", "ema.enabled")
+_TRUE = ("true", "yes", "1")
+_FALSE = ("false", "no", "0")
+_NULL = ("none", "null", "~")
+_NUMBER = re.compile(r"^[+-]?(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_BARE = object()  # marker: an option given without a value
+_MISSING = object()
+
+
+class RunnerConfig(chanfig.Config):
+    """Configuration of a run. Subclass it and set `self.steps`, `self.optim.lr`, your own keys, ... in `__init__`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stack = "torch"
+        self.seed = 0
+        self.steps = None
+        self.epochs = None
+        self.accum_steps = 1
+        self.precision = "fp32"
+        self.max_grad_norm = None
+        self.skip_nonfinite_grad = True
+        self.eval_interval = None
+        self.checkpoint = None
+        self.resume = "auto"
+        self.pretrained = None
+        self.ckpt.enabled = True
+        self.ckpt.backend = "auto"
+        self.ckpt.interval = None
+        self.ckpt.interval_steps = None
+        self.ckpt.keep_latest_k = 0
+        self.ckpt.save_best = True
+        self.ckpt.export_dtype = None
+        self.optim.name = "adamw"
+        self.optim.lr = 1e-3
+        self.optim.weight_decay = 0.0
+        self.optim.betas = [0.9, 0.999]
+        self.optim.eps = 1e-8
+        self.optim.momentum = 0.9
+        self.sched.name = "none"
+        self.sched.warmup_steps = 0
+        self.sched.min_lr_ratio = 0.0
+        self.dataloader.batch_size = 32
+        self.dataloader.shuffle = True
+        self.dataloader.num_workers = 0
+        self.dataloader.drop_last = False
+        self.dataloader.pin_memory = False
+        self.score.split = "val"
+        self.score.metric = "loss"
+        self.score.mode = "min"
+        self.score.patience = 0
+        self.ema.enabled = False
+        self.ema.decay = 0.999
+        self.workspace.root = None
+        self.workspace.lineage = None
+        self.workspace.id = None
+        self.workspace.tags = []
+        self.log.interval = 10
+
+    # ------------------------------------------------------------------ views
+
+    def to_plain(self) -> dict[str, Any]:
+        """Nested plain dicts and lists (YAML / JSON dumpable); empty-dict leaves are dropped."""
+        return plain_dict(self)
+
+    @classmethod
+    def from_plain(cls, data: Mapping[str, Any]) -> Self:
+        """Build a config holding `data`'s values (a stored config): keys unknown to `cls` are added. Not checked."""
+        config = cls()
+        for key, value in flatten(data).items():
+            config.set(key, value)
+        return config
+
+    def lookup(self, key: str, default: Any = None) -> Any:
+        """Value at dotted `key`, or `default`. Unlike attribute access / `get`, never creates a missing section."""
+        value = _lookup(self, key)
+        return default if value is _MISSING else value
+
+    def training_mode(self) -> str:
+        """`"steps"` when the budget is `steps`, else `"epochs"`."""
+        return "steps" if self.lookup("steps") is not None else "epochs"
+
+    def loader_options(self, split: str) -> dict[str, Any]:
+        """Dataloader options for `split`: the global `dataloader.*` values, overridden by `dataloader.<split>.*`."""
+        loader = self.to_plain().get("dataloader", {})
+        options = {key: value for key, value in loader.items() if not isinstance(value, Mapping)}
+        override = loader.get(split)
+        if isinstance(override, Mapping):
+            options.update(override)
+        return options
+
+    def known_keys(self) -> list[str]:
+        """Every dotted leaf key the config holds now (sorted)."""
+        return sorted(flatten(self.to_plain()))
+
+    # ------------------------------------------------------------------ parsing
+
+    def parse(self, args: Sequence[str] | None = None, exit_on_error: bool = True) -> Self:  # type: ignore[override]
+        """Apply `--config FILE` and `--key value` overrides from `args` (default `sys.argv[1:]`), then `check()`.
+
+        With `exit_on_error` (the CLI form) a `PerdureError` prints `error: <message>` to stderr and exits with
+        status 2; otherwise it is raised. Also installs `install_excepthook()`.
+        """
+        install_excepthook()
+        try:
+            files, overrides = _split_argv(list(sys.argv[1:] if args is None else args))
+            if ("--help", _BARE) in overrides:
+                print(self._usage())
+                raise SystemExit(0)
+            for file in files:
+                self._apply(self._file_layer(file))
+            self._apply(self._cli_layer(overrides))
+            return self.check()
+        except PerdureError as error:
+            if not exit_on_error:
+                raise
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    def _cli_layer(self, overrides: list[tuple[str, Any]]) -> dict[str, Any]:
+        known = set(self.known_keys())
+        layer: dict[str, Any] = {}
+        for name, text in overrides:
+            key = self._resolve_key(name, known, text)
+            layer[key] = _coerce_text(key, text, self._current(key))
+        return layer
+
+    def _file_layer(self, file: str) -> dict[str, Any]:
+        path = Path(file).expanduser()
+        if not path.is_file():
+            raise ConfigError("config", file, "no such file; pass an existing .yaml or .json file to --config")
+        try:
+            with path.open() as stream:
+                data = json.load(stream) if path.suffix == ".json" else yaml.safe_load(stream)
+        except (OSError, ValueError, yaml.YAMLError) as error:
+            raise ConfigError("config", file, f"cannot be read ({error}); fix the file's syntax") from None
+        if data is None:
+            return {}
+        if not isinstance(data, Mapping):
+            raise ConfigError("config", file, "the file must hold a mapping of keys to values")
+        known = set(self.known_keys())
+        layer: dict[str, Any] = {}
+        for name, value in flatten(data).items():
+            key = self._resolve_key(name, known, value)
+            layer[key] = _coerce_value(key, value, self._current(key))
+        return layer
+
+    def _apply(self, layer: Mapping[str, Any]) -> None:
+        """Set a layer of overrides. Setting only one of steps / epochs clears the other: the budget changes mode."""
+        for key, value in layer.items():
+            self.set(key, value)
+        for key, other in (("steps", "epochs"), ("epochs", "steps")):
+            if layer.get(key) is not None and other not in layer:
+                self.set(other, None)
+
+    def _resolve_key(self, name: str, known: set[str], value: Any) -> str:
+        """The known dotted key `name` refers to, or a ConfigError with a suggestion."""
+        for key in (name, name.replace("-", "_")):
+            if key in known or self._is_split_key(key, known):
+                return key
+        raise ConfigError(name, _shown(value), f"unknown key; {_suggest(name, known | self._split_candidates(name))}")
+
+    def _is_split_key(self, key: str, known: set[str]) -> bool:
+        """`dataloader.<split>.<option>`: a per-split override for any split name."""
+        parts = key.split(".")
+        if len(parts) != 3 or parts[0] != "dataloader" or f"dataloader.{parts[1]}" in known:
+            return False
+        return parts[2] in self._split_options()
+
+    def _split_options(self) -> list[str]:
+        loader = self.to_plain().get("dataloader", {})
+        return list(dict.fromkeys([*LOADER_KEYS, *(k for k, v in loader.items() if not isinstance(v, Mapping))]))
+
+    def _split_candidates(self, name: str) -> set[str]:
+        parts = name.split(".")
+        if len(parts) == 3 and parts[0] == "dataloader":
+            return {f"dataloader.{parts[1]}.{option}" for option in self._split_options()}
+        return set()
+
+    def _current(self, key: str) -> Any:
+        """Current value of `key`; a per-split override not yet set takes its type from the global option."""
+        value = _lookup(self, key)
+        if value is _MISSING and key.startswith("dataloader."):
+            value = _lookup(self, "dataloader." + key.rsplit(".", 1)[-1])
+        return None if value is _MISSING else value
+
+    def _usage(self) -> str:
+        program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "program"
+        return (
+            f"usage: {program} [--config FILE] [--key VALUE | --key=VALUE | --flag] ...\n\n"
+            f"keys and current values:\n{yaml.safe_dump(self.to_plain(), sort_keys=False)}"
+        )
+
+    # ------------------------------------------------------------------ validation
+
+    def check(self) -> Self:
+        """Validate every value; raise `ConfigError` naming the key, the bad value and the fix. Returns self."""
+        c = self.to_plain()
+
+        def get(key: str) -> Any:
+            value = _lookup(c, key)
+            return None if value is _MISSING else value
+
+        steps, epochs = get("steps"), get("epochs")
+        if (steps is None) == (epochs is None):
+            fix = "set exactly one of them: --steps N (optimizer steps) or --epochs N (passes over the data)"
+            raise ConfigError("steps/epochs", {"steps": steps, "epochs": epochs}, fix)
+        budget = "steps" if steps is not None else "epochs"
+        _check_int(budget, get(budget), 1)
+        _check_int("seed", get("seed"), None)
+        for key, (minimum, optional) in _COUNTS.items():
+            _check_int(key, get(key), minimum, optional)
+        for key, choices in _CHOICES.items():
+            _check_choice(key, get(key), choices)
+        for key in _BOOLS:
+            _check_bool(key, get(key))
+        for key in ("checkpoint", "pretrained"):
+            _check_path(key, get(key))
+        _check_number("max_grad_norm", get("max_grad_norm"), "None or a number > 0", lambda x: x > 0, optional=True)
+        _check_number("ema.decay", get("ema.decay"), "a number between 0 and 1 (exclusive)", lambda x: 0 < x < 1)
+        _check_number("optim.lr", get("optim.lr"), "a number >= 0", lambda x: x >= 0)
+        _check_number("optim.weight_decay", get("optim.weight_decay"), "a number >= 0", lambda x: x >= 0)
+        _check_number("optim.eps", get("optim.eps"), "a number > 0", lambda x: x > 0)
+        _check_number("optim.momentum", get("optim.momentum"), "a number >= 0", lambda x: x >= 0)
+        _check_number("sched.min_lr_ratio", get("sched.min_lr_ratio"), "a number in [0, 1]", lambda x: 0 <= x <= 1)
+        betas = get("optim.betas")
+        if not (
+            isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)
+        ):
+            raise ConfigError("optim.betas", betas, "use two numbers in [0, 1), e.g. [0.9, 0.999]")
+        for key in ("score.split", "score.metric"):
+            if not isinstance(get(key), str) or not get(key):
+                raise ConfigError(key, get(key), "use a non-empty name")
+        for key in ("workspace.root", "workspace.lineage", "workspace.id"):
+            if get(key) is not None and not isinstance(get(key), (str, os.PathLike)):
+                raise ConfigError(key, get(key), "use a string or None")
+        tags = get("workspace.tags")
+        if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
+            raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
+        self._check_loaders(c.get("dataloader", {}))
+        return self
+
+    def _check_loaders(self, loader: Mapping[str, Any]) -> None:
+        _check_loader("dataloader", loader, required=True)
+        options = set(self._split_options())
+        for split, override in loader.items():
+            if not isinstance(override, Mapping):
+                continue
+            for option in override:
+                if option not in options:
+                    fix = f"per-split dataloader options are {', '.join(sorted(options))}"
+                    raise ConfigError(f"dataloader.{split}.{option}", override[option], fix)
+            _check_loader(f"dataloader.{split}", override, required=False)
+
+
+# ---------------------------------------------------------------------- plain data helpers
+
+
+def plain_dict(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep copy of `mapping` as plain dicts / lists / scalars; empty-dict leaves dropped, tuples and paths made
+    YAML-friendly (lists, strings)."""
+    result: dict[str, Any] = {}
+    for key, value in mapping.items():
+        value = _plain_value(value)
+        if not (isinstance(value, dict) and not value):
+            result[key] = value
+    return result
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return plain_dict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain_value(item) for item in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
+
+
+def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`. Lists are leaves; empty dicts vanish. Reads mappings without creating."""
+    result: dict[str, Any] = {}
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            result.update(flatten(value, dotted + "."))
+        else:
+            result[dotted] = _plain_value(value)
+    return result
+
+
+def _lookup(mapping: Mapping[str, Any], key: str) -> Any:
+    """Value at dotted `key` or `_MISSING`, using `dict` access so chanfig never creates a missing section."""
+    value: Any = mapping
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value.keys():
+            return _MISSING
+        value = dict.__getitem__(value, part) if isinstance(value, dict) else value[part]
+    return value
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
+    """Split argv into `--config` files and `(key, text)` overrides; a bare option's text is `_BARE`."""
+    files: list[str] = []
+    overrides: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token in ("-h", "--help"):
+            return files, [("--help", _BARE)]
+        if not token.startswith("--") or len(token) == 2:
+            raise ConfigError("argv", token, "positional arguments are not accepted; write options as --key value")
+        name, text = token[2:], _BARE
+        if "=" in name:
+            name, text = name.split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            i += 1
+            text = argv[i]
+        i += 1
+        if name == "config":
+            if text is _BARE:
+                raise ConfigError("config", None, "--config needs a file: --config path/to/config.yaml")
+            files.append(text)
+        else:
+            overrides.append((name, text))
+    return files, overrides
+
+
+def _coerce_text(key: str, text: Any, current: Any) -> Any:
+    """Turn command-line text into a value of the type `key` holds now."""
+    if text is _BARE:
+        if key == "resume" or isinstance(current, bool):
+            return True
+        raise ConfigError(key, current, f"--{key} was given without a value; write --{key} VALUE")
+    low = text.strip().lower()
+    if key == "resume":
+        if low == "auto":
+            return "auto"
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise ConfigError(key, text, "use auto, true or false (a bare --resume means true)")
+    if key in OPTIONAL_STR_KEYS:
+        return None if low in _NULL or not low else text
+    if isinstance(current, bool):
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise ConfigError(key, text, "use true or false (also yes/no, 1/0)")
+    if low in _NULL and isinstance(current, (int, float, list, tuple)):
+        return None
+    if isinstance(current, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(key, text, f"use an integer, e.g. --{key} {current}") from None
+    if isinstance(current, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(key, text, f"use a number, e.g. --{key} {current}") from None
+    if isinstance(current, str):
+        return text
+    if isinstance(current, (list, tuple)):
+        return _parse_list(key, text, current)
+    return _parse_scalar(text)
+
+
+def _coerce_value(key: str, value: Any, current: Any) -> Any:
+    """Adapt a value read from a config file: strings are coerced like command-line text, ints widen to floats."""
+    if isinstance(value, str) and (key == "resume" or not isinstance(current, str)):
+        return _coerce_text(key, value, current)
+    if key in OPTIONAL_STR_KEYS and value is not None:
+        return str(value)
+    if isinstance(current, float) and _is_number(value):
+        return float(value)
+    return value
+
+
+def _parse_scalar(text: str) -> Any:
+    """YAML typing for a value whose key holds None: `1e-3` is a float, `none` / `null` are None."""
+    if text.strip().lower() in _NULL:
+        return None
+    if _NUMBER.match(text.strip()):
+        number = float(text)
+        return int(text) if re.fullmatch(r"[+-]?\d[\d_]*", text.strip()) else number
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (type(None), bool, int, float, str, list, dict)) else text
+
+
+def _parse_list(key: str, text: str, current: Sequence[Any]) -> list[Any]:
+    """`[1, 2]` (YAML flow) or `1,2`; items of a list of floats become floats."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            items = yaml.safe_load(stripped)
+        except yaml.YAMLError:
+            items = None
+        if not isinstance(items, list):
+            raise ConfigError(key, text, f"use a list like --{key} [1, 2] or --{key} 1,2")
+        items = [_parse_scalar(item) if isinstance(item, str) else item for item in items]
+    else:
+        items = [_parse_scalar(item.strip()) for item in stripped.split(",")] if stripped else []
+    if current and all(isinstance(item, float) for item in current):
+        items = [float(item) if _is_number(item) else item for item in items]
+    return items
+
+
+def _shown(value: Any) -> Any:
+    return None if value is _BARE else value
+
+
+def _suggest(name: str, known: set[str]) -> str:
+    """`did you mean 'x'?`, or a list of keys near `name`."""
+    leaf = name.rsplit(".", 1)[-1]
+
+    def similar(a: str, b: str, cutoff: float) -> bool:
+        return difflib.SequenceMatcher(None, a, b).ratio() >= cutoff
+
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+    if not close:  # same option name in another section: `--lr` -> `optim.lr`
+        close = [key for key in sorted(known) if similar(leaf, key.rsplit(".", 1)[-1], 0.75)]
+    if not close:  # a looser whole-key match, as long as the option names look alike
+        loose = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        close = [key for key in loose if similar(leaf, key.rsplit(".", 1)[-1], 0.5)]
+    if len(close) == 1:
+        return f"did you mean '{close[0]}'?"
+    if close:
+        return f"did you mean one of {', '.join(close[:5])}?"
+    section = name.rsplit(".", 1)[0] + "." if "." in name else ""
+    nearby = [key for key in sorted(known) if section and key.startswith(section)]
+    if not nearby:
+        nearby = sorted({key.split(".")[0] for key in known})
+        return f"top-level keys and sections are: {', '.join(nearby)}"
+    return f"keys in '{section[:-1]}' are: {', '.join(nearby)}"
+
+
+def install_excepthook() -> None:
+    """Print an uncaught `PerdureError` as one line `error: <message>` (no traceback). Idempotent."""
+    if getattr(sys.excepthook, "_perdure", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if issubclass(exc_type, PerdureError):
+            print(f"error: {exc}", file=sys.stderr)
+        else:
+            previous(exc_type, exc, tb)
+
+    hook._perdure = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+# ---------------------------------------------------------------------- validators
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(key: str, value: Any, minimum: int | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        wanted = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise ConfigError(key, value, f"use {wanted}{' or None' if optional else ''}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if not any(type(value) is type(choice) and value == choice for choice in choices):
+        shown = ", ".join("None" if c is None else str(c).lower() if isinstance(c, bool) else c for c in choices)
+        raise ConfigError(key, value, f"use one of: {shown}")
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "use true or false")
+
+
+def _check_number(key: str, value: Any, wanted: str, ok: Any, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_number(value) or not ok(value):
+        raise ConfigError(key, value, f"use {wanted}")
+
+
+def _check_path(key: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (str, os.PathLike)) or not Path(value).expanduser().exists():
+        raise ConfigError(key, value, f"no such file or directory; pass an existing path or drop --{key}")
+
+
+def _check_loader(prefix: str, options: Mapping[str, Any], required: bool) -> None:
+    for option, minimum in (("batch_size", 1), ("num_workers", 0)):
+        if required or option in options:
+            _check_int(f"{prefix}.{option}", options.get(option), minimum)
+    for option in ("shuffle", "drop_last", "pin_memory"):
+        if required or option in options:
+            _check_bool(f"{prefix}.{option}", options.get(option))

@@ -1,0 +1,111 @@
+"""ResumableLoader: a torchdata StatefulDataLoader whose position the runner owns."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from perdure.data.sampler import ResumableSampler
+
+# torchdata 0.11 calls a deprecated torch API each time an iterator is created; it is not the user's concern.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
+
+class ResumableLoader:
+    """One split's dataloader and the data position that goes into a checkpoint.
+
+    Map-style datasets are read through a `ResumableSampler`: the order of an epoch is a function of (seed, epoch)
+    and the position is a global sample offset, so resuming needs no fast-forward and does not depend on how the
+    loader's own generator was advanced (torchdata 0.11 restores that generator one draw behind with
+    `num_workers=0`). The loader's generator, which seeds the workers, is re-seeded from (seed, epoch) before each
+    epoch for the same reason. Iterable datasets keep their position in the StatefulDataLoader's own state.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        batch_size: int,
+        shuffle: bool,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        collate_fn: Callable | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.seed = seed
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+        self.sampler: ResumableSampler | None = None
+        if not isinstance(dataset, IterableDataset):
+            self.sampler = ResumableSampler(
+                len(dataset),  # type: ignore[arg-type]
+                shuffle=shuffle,
+                seed=seed,
+                rank=rank,
+                world_size=world_size,
+                drop_last=drop_last,
+            )
+        self.loader = StatefulDataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            pin_memory=pin_memory,
+            generator=self.generator,
+            collate_fn=collate_fn,
+        )
+        self._iterable_state: dict[str, Any] | None = None
+
+    @property
+    def is_iterable(self) -> bool:
+        return self.sampler is None
+
+    def batches_in_epoch(self) -> int | None:
+        """Batches one rank reads in a whole epoch, or None when the dataset has no length."""
+        if self.sampler is None:
+            return None
+        samples = self.sampler.total_size // self.world_size
+        if self.loader.drop_last:
+            return samples // self.batch_size
+        return -(-samples // self.batch_size)
+
+    def iter_epoch(self, epoch: int, batches_done: int = 0) -> Iterator[Any]:
+        """An iterator over epoch `epoch` that skips the `batches_done` batches every rank already consumed."""
+        self.generator.manual_seed(self.seed * 1_000_003 + epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch, batches_done * self.batch_size * self.world_size)
+        elif self._iterable_state is not None:
+            self.loader.load_state_dict(self._iterable_state)
+            self._iterable_state = None
+        return iter(self.loader)
+
+    def position(self, epoch: int, batches_done: int) -> dict[str, Any]:
+        """The rank-local data position to checkpoint, for an epoch and the batches of it already consumed."""
+        state: dict[str, Any] = {
+            "epoch": epoch,
+            "offset": batches_done * self.batch_size * self.world_size,
+            "world_size": self.world_size,
+        }
+        if self.is_iterable:
+            state["loader"] = self.loader.state_dict()
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take back a position saved by `position` (the runner passes epoch and batches itself)."""
+        if self.is_iterable and "loader" in state:
+            self._iterable_state = state["loader"]
+
+    def __len__(self) -> int:
+        return len(self.loader)

@@ -1,0 +1,631 @@
+"""BaseRunner: one explicit training lifecycle, readable top to bottom, and the checkpoint contract.
+
+    MyRunner(config)        __init__: validate config, distributed, seed, workspace, logging, restore decision
+      └─ __post_init__      optimizer / scheduler defaults, EMA, model placement, dataloaders, restore, wrapping
+    runner.train()          train_steps() or train_epochs(): both drive the one loop in `_fit`
+      └─ per window         train_step(batch) per micro-batch -> backward -> optimizer step -> EMA
+      └─ per step / epoch   log, evaluate, score, checkpoint
+      └─ at the end         final checkpoint, model export
+
+Stack-specific work (device, autocast, gradient scaling, wrapping) lives in the subclasses' override points.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABCMeta, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import yaml
+from torch import nn
+
+from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy, Stateful
+from perdure.checkpoints.commit import checkpoint_name
+from perdure.checkpoints.file import FileCheckpointManager
+from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
+from perdure.checkpoints.source import RestoreSource, choose_restore_source
+from perdure.config import RunnerConfig
+from perdure.data.loader import ResumableLoader
+from perdure.errors import CheckpointError, PerdureError
+from perdure.loggers.console import attach_log_file, get_logger
+from perdure.runners.ema import ExponentialMovingAverage
+from perdure.runners.export import export_weights, read_weights
+from perdure.runners.optim import build_optimizer, build_scheduler
+from perdure.runners.rng import RNGState, seed_everything
+from perdure.runners.state import RunnerState
+from perdure.workspace.identity import canonical_config, config_diff
+from perdure.workspace.run_dir import resolve_run_dir
+
+DEFAULT_STEP_INTERVAL = 500
+
+
+class RunnerMeta(ABCMeta):
+    """Calls `__post_init__` once, after the user's `__init__` has assigned model, optimizer and datasets."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        runner = super().__call__(*args, **kwargs)
+        runner.__post_init__()
+        return runner
+
+
+class BaseRunner(metaclass=RunnerMeta):
+    """The training lifecycle shared by every stack. Subclass a stack (or `Runner`), not this class."""
+
+    checkpoint_manager_class: ClassVar[type[CheckpointManager]] = FileCheckpointManager
+
+    model: nn.Module | None
+    criterion: Callable[..., torch.Tensor] | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+
+    def __init__(self, config: RunnerConfig) -> None:
+        if not isinstance(config, RunnerConfig):
+            raise TypeError(f"{type(self).__name__} takes a RunnerConfig, got {type(config).__name__}")
+        config.check()
+        self.config = config
+        self.state = RunnerState()
+        self.model = None
+        self.criterion = None
+        self.optimizer = None
+        self.scheduler = None
+        self.ema: ExponentialMovingAverage | None = None
+        self.datasets: dict[str, Any] = {}
+        self.dataloaders: dict[str, ResumableLoader] = {}
+        self.is_best = False
+        self.rank, self.world_size = self.init_distributed()
+        seed_everything(config.seed)
+
+        self.run_dir = resolve_run_dir(config, type(self).__name__)
+        self.checkpoints = self.checkpoint_manager_class(
+            self.run_dir.checkpoints,
+            CheckpointPolicy.from_config(config.ckpt),
+            rank=self.rank,
+            world_size=self.world_size,
+            identity={"config_id": self.run_dir.config_id, "code_id": self.run_dir.code_id},
+        )
+        # Decided before anything is written, so a refused restore leaves no trace.
+        self.restore_source = choose_restore_source(
+            self.checkpoints.resolve(),
+            run_dir=self.run_dir.path,
+            resume=config.resume,
+            checkpoint=config.checkpoint,
+            pretrained=config.pretrained,
+        )
+        self.attempt_started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        self.logger = get_logger()
+        if self.is_main_process:
+            self.run_dir.create()
+            self._log_file = attach_log_file(self.run_dir.logs / f"{self.attempt_started}.log")
+        self._saved_position: tuple[int, int, int] | None = None
+        self._losses: list[torch.Tensor] = []
+        self._clock = time.perf_counter()
+        self._clock_step = 0
+
+    def __post_init__(self) -> None:
+        """Called once after the user's `__init__`: fill in defaults, place the model, build loaders, restore."""
+        if self.model is None:
+            raise PerdureError(f"{type(self).__name__}.__init__ must assign self.model before it returns")
+        self.place_model()
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
+        if self.scheduler is None:
+            self.scheduler = build_scheduler(self.optimizer, self.config.sched, self.total_steps_hint())
+        if self.config.ema.enabled and self.ema is None:
+            self.ema = ExponentialMovingAverage(self.model, self.config.ema.decay)
+        self.build_dataloaders()
+        self.restore(self.restore_source)
+        self.state.attempt += 1
+        self.wrap_model()
+
+    # ---- override points of a stack ----------------------------------------------------------------------------
+
+    def init_distributed(self) -> tuple[int, int]:
+        """Called first in `__init__`; returns (rank, world_size). Must not touch the workspace."""
+        return 0, 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @abstractmethod
+    def place_model(self) -> None:
+        """Called in `__post_init__` before the default optimizer is built: move `self.model` to its device.
+
+        Must keep the parameter objects (the user's optimizer may already hold them) and must not wrap the model.
+        """
+
+    def wrap_model(self) -> None:
+        """Called last in `__post_init__`, after the restore: wrap the model for distributed training (DDP, ...)."""
+
+    def unwrap_model(self) -> nn.Module:
+        """The user's module without any wrapper: what checkpoints and exports hold."""
+        return self.model
+
+    @abstractmethod
+    def autocast(self) -> AbstractContextManager:
+        """The mixed-precision context `train_step` runs in. Must not change any state."""
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch's (already scaled for accumulation) loss."""
+
+    @abstractmethod
+    def optimizer_step(self) -> bool:
+        """Unscale, check, clip and step the optimizer; return False when the step was skipped as non-finite.
+
+        Called once per accumulation window. Must leave gradients zeroed (or None) either way.
+        """
+
+    def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
+        """Context for one micro-batch's forward/backward; DDP stacks skip the gradient all-reduce until the last."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def extra_states(self) -> dict[str, Stateful]:
+        """Replicated objects a stack adds to checkpoints after the optimizer and scheduler (e.g. a GradScaler)."""
+        return {}
+
+    # ---- user override points ----------------------------------------------------------------------------------
+
+    def train_step(self, batch: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
+        """Forward one micro-batch and return its loss (or a mapping holding `loss`).
+
+        Called inside `autocast()` for every micro-batch. Must not call backward, step the optimizer or change
+        `self.state`: the runner owns those, which is what makes accumulation, skipping and resuming exact.
+        """
+        inputs, target = self.unpack_batch(batch)
+        return self.criterion(self.model(inputs), target)
+
+    def evaluate_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
+        """Metrics of one evaluation batch, averaged over the split weighted by batch size.
+
+        Called under `torch.inference_mode()` with the model in eval mode. Must not draw from the global RNGs.
+        """
+        inputs, target = self.unpack_batch(batch)
+        return {"loss": self.criterion(self.model(inputs), target)}
+
+    def infer_step(self, batch: Any) -> torch.Tensor:
+        """Model output of one batch for `infer`. Called under `torch.inference_mode()` in eval mode."""
+        inputs, _ = self.unpack_batch(batch)
+        return self.model(inputs)
+
+    def unpack_batch(self, batch: Any) -> tuple[Any, Any]:
+        """The default batch contract: `(input, target)` or `{"input": ..., "target": ...}`, moved to the device."""
+        if isinstance(batch, Mapping):
+            if "input" not in batch:
+                raise PerdureError(
+                    f"batch mapping has keys {sorted(batch)}; the default train_step needs 'input' and 'target' "
+                    "(override train_step / evaluate_step for other layouts)"
+                )
+            inputs, target = batch["input"], batch.get("target")
+        elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+            inputs, target = batch
+        else:
+            raise PerdureError(
+                f"a batch of type {type(batch).__name__} does not fit the default (input, target) contract; "
+                "override train_step / evaluate_step"
+            )
+        return self.to_device(inputs), self.to_device(target)
+
+    def to_device(self, data: Any) -> Any:
+        """Move tensors (also inside lists, tuples and dicts) to the runner's device."""
+        return data
+
+    # ---- the training lifecycle --------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Train until the budget is reached, then save, export and return every evaluation's results."""
+        if self.config.training_mode() == "epochs":
+            self.train_epochs()
+        else:
+            self.train_steps()
+        return self.state.results
+
+    def train_steps(self) -> None:
+        """Train until `global_step` reaches `config.steps` (epochs roll over as the data runs out)."""
+        budget = self.config.steps
+        self._fit(lambda: self.state.global_step >= budget, f"{budget} steps")
+
+    def train_epochs(self) -> None:
+        """Train until `epoch` reaches `config.epochs`."""
+        budget = self.config.epochs
+        self._fit(lambda: self.state.epoch >= budget, f"{budget} epochs")
+
+    def _fit(self, budget_reached: Callable[[], bool], budget: str) -> None:
+        if budget_reached() or self.state.early_stopped:
+            why = "stopped early" if self.state.early_stopped else f"reached its budget of {budget}"
+            self.logger.info(
+                "run %s already %s at step %d: nothing to train (raise the budget to continue it)",
+                self.run_dir.path,
+                why,
+                self.state.global_step,
+            )
+            self._finish()
+            return
+        self.logger.info(
+            "training %s from step %d (epoch %d) for %s", self.run_dir.path, self.state.global_step,
+            self.state.epoch, budget,
+        )  # fmt: skip
+        loader = self.dataloaders["train"]
+        self.model.train()
+        while not (budget_reached() or self.state.early_stopped):
+            epoch_started = self.state.batch_in_epoch == 0
+            consumed = 0
+            for window in self._accumulation_windows(loader):
+                consumed += len(window)
+                self._train_window(window, loader)
+                if budget_reached() or self.state.early_stopped:
+                    break
+            else:
+                if epoch_started and consumed == 0:
+                    raise PerdureError("the 'train' dataloader yields no batches: check the dataset and batch_size")
+                self._end_epoch()
+        self._finish()
+
+    def _accumulation_windows(self, loader: ResumableLoader) -> Iterator[list[Any]]:
+        """Groups of `accum_steps` micro-batches; an epoch's last window may be shorter and is stepped as is."""
+        accum = self.config.accum_steps
+        window: list[Any] = []
+        for batch in loader.iter_epoch(self.state.epoch, self.state.batch_in_epoch):
+            window.append(batch)
+            if len(window) == accum:
+                yield window
+                window = []
+        if window:
+            yield window
+
+    def _train_window(self, window: list[Any], loader: ResumableLoader) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for index, batch in enumerate(window):
+            with self.no_sync(last_micro_batch=index == len(window) - 1):
+                with self.autocast():
+                    output = self.train_step(batch)
+                loss = output["loss"] if isinstance(output, Mapping) else output
+                self.backward(loss / len(window))
+            losses.append(loss.detach())
+        self.state.batch_in_epoch += len(window)
+        stepped = self.optimizer_step()
+        if not stepped:
+            self.state.skipped_steps += 1
+            self.logger.warning(
+                "non-finite gradients at step %d: optimizer step skipped (%d skipped so far)",
+                self.state.global_step,
+                self.state.skipped_steps,
+            )
+            return
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.unwrap_model())
+        self.state.global_step += 1
+        self._losses.append(torch.stack(losses).mean())
+        self._end_step(epoch_ending=self.state.batch_in_epoch >= (loader.batches_in_epoch() or math.inf))
+
+    def _end_step(self, epoch_ending: bool) -> None:
+        step = self.state.global_step
+        config = self.config
+        if step % config.log.interval == 0:
+            self._log_train_progress()
+        if config.training_mode() == "epochs":
+            interval_steps = config.ckpt.interval_steps
+            if interval_steps and step % interval_steps == 0 and not epoch_ending:
+                self.save_checkpoint("interval")
+            return
+        self.is_best = False
+        eval_interval = config.eval_interval or config.ckpt.interval or DEFAULT_STEP_INTERVAL
+        if step % eval_interval == 0 and self._eval_splits():
+            self._evaluate_and_score()
+        ckpt_interval = config.ckpt.interval or DEFAULT_STEP_INTERVAL
+        if step % ckpt_interval == 0:
+            self.save_checkpoint("interval")
+        elif self.is_best and config.ckpt.save_best:
+            self.save_checkpoint("best")
+
+    def _end_epoch(self) -> None:
+        self.state.epoch += 1
+        self.state.batch_in_epoch = 0
+        if self.config.training_mode() != "epochs":
+            return
+        epoch = self.state.epoch
+        self.is_best = False
+        if epoch % (self.config.eval_interval or 1) == 0 and self._eval_splits():
+            self._evaluate_and_score()
+        if epoch % (self.config.ckpt.interval or 1) == 0:
+            self.save_checkpoint("interval")
+        elif self.is_best and self.config.ckpt.save_best:
+            self.save_checkpoint("best")
+
+    def _finish(self) -> None:
+        """Training is over (budget or early stop): final checkpoint, export, close."""
+        self.save_checkpoint("final")
+        if self.config.ckpt.enabled and self.is_main_process:
+            self.export_model()
+        self.checkpoints.close()
+        self.logger.info(
+            "finished at step %d (epoch %d); run dir %s", self.state.global_step, self.state.epoch, self.run_dir.path
+        )
+
+    # ---- evaluation --------------------------------------------------------------------------------------------
+
+    def _eval_splits(self) -> list[str]:
+        return [split for split in self.dataloaders if split != "train"]
+
+    def evaluate(self, splits: list[str] | None = None) -> dict[str, dict[str, float]]:
+        """Evaluate each split (default: every split but train); bounded in step mode, whole splits in epoch mode."""
+        steps = None if self.config.training_mode() == "epochs" else self.default_eval_steps()
+        return {split: self.evaluate_steps(split, steps) for split in (splits or self._eval_splits())}
+
+    def default_eval_steps(self) -> int:
+        return max((self.config.steps or 0) // 20, 1)
+
+    def evaluate_steps(self, split: str, steps: int | None = None) -> dict[str, float]:
+        """Average `evaluate_step` over at most `steps` batches of `split` (all of them when None)."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        totals: dict[str, float] = {}
+        count = 0
+        with torch.inference_mode():
+            for index, batch in enumerate(self.dataloaders[split].iter_epoch(0)):
+                if steps is not None and index >= steps:
+                    break
+                with self.autocast():
+                    metrics = self.evaluate_step(batch)
+                weight = _batch_size(batch)
+                for name, value in metrics.items():
+                    totals[name] = totals.get(name, 0.0) + float(value) * weight
+                count += weight
+        model.train(was_training)
+        return self.reduce_metrics(totals, count)
+
+    def reduce_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
+        """Turn weighted sums into means. Distributed stacks sum `totals` and `count` over ranks first."""
+        return {name: total / max(count, 1) for name, total in totals.items()}
+
+    def infer(self, split: str) -> torch.Tensor:
+        """Concatenated `infer_step` outputs over a whole split, in order."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        outputs = []
+        with torch.inference_mode():
+            for batch in self.dataloaders[split].iter_epoch(0):
+                with self.autocast():
+                    outputs.append(self.infer_step(batch))
+        model.train(was_training)
+        return torch.cat(outputs)
+
+    def _evaluate_and_score(self) -> None:
+        results = self.evaluate()
+        self.state.results[str(self.state.global_step)] = results
+        for split, metrics in results.items():
+            self.log_metrics(split, metrics)
+        self._update_score(results)
+
+    def _update_score(self, results: Mapping[str, Mapping[str, float]]) -> None:
+        score_config = self.config.score
+        score = results.get(score_config.split, {}).get(score_config.metric)
+        if score is None:
+            return
+        best = self.state.best_score
+        improved = best is None or (score < best if score_config.mode == "min" else score > best)
+        if improved:
+            self.state.best_score = float(score)
+            self.state.best_step = self.state.global_step
+            self.state.patience_count = 0
+            self.is_best = True
+            return
+        self.state.patience_count += 1
+        if score_config.patience and self.state.patience_count >= score_config.patience:
+            self.state.early_stopped = True
+            self.logger.info(
+                "early stop at step %d: %s/%s did not improve for %d evaluations (best %.6g at step %d)",
+                self.state.global_step,
+                score_config.split,
+                score_config.metric,
+                self.state.patience_count,
+                self.state.best_score,
+                self.state.best_step,
+            )
+
+    @property
+    def results(self) -> dict[str, dict[str, dict[str, float]]]:
+        return self.state.results
+
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def epoch(self) -> int:
+        return self.state.epoch
+
+    @property
+    def best_score(self) -> float | None:
+        return self.state.best_score
+
+    # ---- logging ----------------------------------------------------------------------------------------------
+
+    def _log_train_progress(self) -> None:
+        if not self._losses:
+            return
+        loss = torch.stack(self._losses).mean().item()
+        self._losses.clear()
+        now = time.perf_counter()
+        steps_per_second = (self.state.global_step - self._clock_step) / max(now - self._clock, 1e-9)
+        self._clock, self._clock_step = now, self.state.global_step
+        metrics = {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "steps_per_s": steps_per_second}
+        self.log_metrics("train", metrics)
+
+    def log_metrics(self, split: str, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Report metrics of `split` at `step` (default: the current global step). Only the main process logs."""
+        if not self.is_main_process:
+            return
+        step = self.state.global_step if step is None else step
+        budget = self.config.steps if self.config.training_mode() == "steps" else None
+        where = f"step {step}/{budget}" if budget else f"step {step} epoch {self.state.epoch}"
+        text = " ".join(f"{name} {value:.6g}" for name, value in metrics.items())
+        self.logger.info("%s %s: %s", where, split, text)
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """Replicated objects, in restore order: state, model, EMA, optimizer, scheduler, then the stack's extras."""
+        states: dict[str, Stateful] = {"state": self.state, "model": self.unwrap_model()}
+        if self.ema is not None:
+            states["ema"] = self.ema
+        states["optimizer"] = self.optimizer
+        if self.scheduler is not None:
+            states["scheduler"] = self.scheduler
+        states.update(self.extra_states())
+        return states
+
+    def checkpoint_local_states(self) -> dict[str, Stateful]:
+        """Rank-local objects, restored after everything else: data position, then the RNGs."""
+        return {"data": _DataPosition(self), "rng": RNGState()}
+
+    def save_checkpoint(self, reason: str) -> Path | None:
+        """Commit the current position (once per position); `reason` is recorded in the manifest."""
+        position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
+        if position == self._saved_position or self.state.global_step == 0:
+            return None
+        at_epoch_end = self.config.training_mode() == "epochs" and self.state.batch_in_epoch == 0
+        name = checkpoint_name(epoch=self.state.epoch) if at_epoch_end else checkpoint_name(step=position[0])
+        meta = {
+            "global_step": self.state.global_step,
+            "epoch": self.state.epoch,
+            "batch_in_epoch": self.state.batch_in_epoch,
+            "reason": reason,
+            "score": self.state.best_score if self.state.best_step == self.state.global_step else None,
+        }
+        started = time.perf_counter()
+        path = self.checkpoints.save(
+            name,
+            self.checkpoint_states(),
+            self.checkpoint_local_states(),
+            meta=meta,
+            is_best=self.state.best_step == self.state.global_step,
+            texts={"config.yaml": yaml.safe_dump(self.config.to_plain(), sort_keys=True)},
+        )
+        self._saved_position = position
+        if path is not None:
+            self.logger.info("saved %s (%s) in %.2fs", path.name, reason, time.perf_counter() - started)
+        return path
+
+    def restore(self, source: RestoreSource) -> None:
+        """Load what `choose_restore_source` decided, in the order state, model, EMA, optimizer, scheduler, data."""
+        self.logger.info("%s", source.describe())
+        if source.kind in ("resume", "checkpoint"):
+            self._check_same_config(source.info)
+            self.checkpoints.load(source.info, self.checkpoint_states(), self.checkpoint_local_states())
+            self._saved_position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
+        elif source.kind == "pretrained":
+            self.load_pretrained(source.path)
+
+    def _check_same_config(self, info: CheckpointInfo) -> None:
+        stored_path = info.path / "config.yaml"
+        stored = yaml.safe_load(stored_path.read_text()) if stored_path.exists() else {}
+        theirs, ours = canonical_config(stored), canonical_config(self.config)
+        if theirs != ours:
+            lines = "\n  ".join(config_diff(theirs, ours, a_label="checkpoint", b_label="current"))
+            raise CheckpointError(
+                f"checkpoint {info.path} was made with a different config, so resuming it would not continue the "
+                f"same run:\n  {lines}\nUse the checkpoint's config (Runner.from_checkpoint), or load only its "
+                f"weights with --pretrained {info.path}."
+            )
+
+    def load_pretrained(self, path: Path, ema: bool = False) -> None:
+        """Load model (or EMA) weights only, from an exported `.pth` file or any checkpoint path."""
+        self.unwrap_model().load_state_dict(read_weights(Path(path), ema=ema))
+
+    def export_model(self) -> Path:
+        """Write `model.pth` (and `model-ema.pth` with EMA) into the run dir, cast to `ckpt.export_dtype`."""
+        dtype = self.config.ckpt.export_dtype
+        path = export_weights(self.unwrap_model().state_dict(), self.run_dir.path / "model.pth", dtype)
+        if self.ema is not None:
+            export_weights(self.ema.weights(), self.run_dir.path / "model-ema.pth", dtype)
+        return path
+
+    # ---- construction helpers ----------------------------------------------------------------------------------
+
+    def build_dataloaders(self) -> None:
+        """One ResumableLoader per dataset the user assigned; per-split options from `dataloader.<split>.*`."""
+        if "train" not in self.datasets:
+            raise PerdureError(f"{type(self).__name__}.__init__ must assign self.datasets['train']")
+        for split, dataset in self.datasets.items():
+            if split in self.dataloaders:
+                continue
+            options = self.config.loader_options(split)
+            self.dataloaders[split] = ResumableLoader(
+                dataset,
+                batch_size=options["batch_size"],
+                shuffle=bool(options["shuffle"]) and split == "train",
+                num_workers=options["num_workers"],
+                drop_last=bool(options["drop_last"]) and split == "train",
+                pin_memory=bool(options["pin_memory"]),
+                seed=self.config.seed,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+
+    def total_steps_hint(self) -> int:
+        """The step budget a scheduler should span (epoch mode: epochs times optimizer steps per epoch)."""
+        if self.config.training_mode() == "steps":
+            return self.config.steps
+        dataset = self.datasets.get("train")
+        batches = math.ceil(len(dataset) / (self.config.loader_options("train")["batch_size"] * self.world_size))
+        return self.config.epochs * math.ceil(batches / self.config.accum_steps)
+
+    # ---- alternative constructors ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config_class: type[RunnerConfig] = RunnerConfig) -> BaseRunner:
+        """Rebuild a runner from the config stored in a checkpoint and restore its full state.
+
+        `path` may be a run dir, its `checkpoints/` dir, or one checkpoint dir.
+        """
+        info = resolve_path(Path(path))
+        stored = yaml.safe_load((info.path / "config.yaml").read_text())
+        config = config_class.from_plain(stored)
+        config.checkpoint = str(info.path)
+        config.pretrained = None
+        return cls(config)
+
+    @classmethod
+    def from_pretrained(cls, config: RunnerConfig, path: str | Path) -> BaseRunner:
+        """Build a runner from `config` and load model weights only from `path` (an export or a checkpoint)."""
+        config.pretrained = str(path)
+        config.checkpoint = None
+        return cls(config)
+
+
+class _DataPosition:
+    """The training loader's rank-local position, as a Stateful for checkpoints."""
+
+    def __init__(self, runner: BaseRunner) -> None:
+        self.runner = runner
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.runner.state
+        return {"train": self.runner.dataloaders["train"].position(state.epoch, state.batch_in_epoch)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.runner.dataloaders["train"].restore(state["train"])
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        return _batch_size(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_size(batch[0])
+    return 1

@@ -1,0 +1,49 @@
+"""Exponential moving average of a model's parameters and floating-point buffers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class ExponentialMovingAverage:
+    """Keeps `shadow = decay * shadow + (1 - decay) * current` for every floating-point tensor of a module.
+
+    Integer buffers (e.g. BatchNorm's `num_batches_tracked`) are copied, not averaged. The shadow lives on the
+    model's device and is saved and restored with the checkpoint.
+    """
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.shadow: dict[str, torch.Tensor] = {
+            name: tensor.detach().clone() for name, tensor in model.state_dict(keep_vars=False).items()
+        }
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        current = model.state_dict()
+        averaged, targets = [], []
+        for name, shadow in self.shadow.items():
+            value = current[name].detach()
+            if shadow.is_floating_point():
+                averaged.append(shadow)
+                targets.append(value.to(shadow.dtype))
+            else:
+                shadow.copy_(value)
+        if averaged:
+            torch._foreach_lerp_(averaged, targets, 1.0 - self.decay)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "shadow": dict(self.shadow)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, tensor in state["shadow"].items():
+            self.shadow[name].copy_(tensor)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The averaged weights as a state dict for the model."""
+        return dict(self.shadow)

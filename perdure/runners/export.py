@@ -1,0 +1,49 @@
+"""Model-only weights: the `model.pth` export, and reading weights back for `--pretrained`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from perdure.checkpoints.commit import fsync_dir, write_file
+from perdure.checkpoints.file import REPLICATED_FILE
+from perdure.checkpoints.resolve import resolve_path
+from perdure.errors import CheckpointError, ConfigError
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_weights(state_dict: dict[str, torch.Tensor], path: Path, dtype: str | None = None) -> Path:
+    """Atomically write a state dict, casting floating-point tensors to `dtype` (fp32 | bf16 | fp16) when given."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ConfigError("ckpt.export_dtype", dtype, f"use one of {', '.join(EXPORT_DTYPES)} or leave it unset")
+    target = EXPORT_DTYPES.get(dtype) if dtype else None
+    weights = {
+        name: (tensor.detach().to("cpu", target) if target and tensor.is_floating_point() else tensor.detach().cpu())
+        for name, tensor in state_dict.items()
+    }
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.unlink(missing_ok=True)
+    write_file(temporary, lambda f: torch.save(weights, f))
+    os.replace(temporary, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
+    """Weights from an exported file (`model.pth`) or from a checkpoint / checkpoints / run directory."""
+    if not path.exists():
+        raise CheckpointError(f"pretrained path {path} does not exist")
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    info = resolve_path(path)
+    state = torch.load(info.path / REPLICATED_FILE, map_location="cpu", weights_only=True)
+    if ema:
+        if "ema" not in state:
+            raise CheckpointError(
+                f"checkpoint {info.path} holds no EMA weights (it was trained with ema.enabled=false)"
+            )
+        return state["ema"]["shadow"]
+    return state["model"]

@@ -1,0 +1,63 @@
+"""Seeding and the per-rank random-number-generator state a checkpoint carries."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device) from one integer."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class RNGState:
+    """Stateful view of every global generator of this process, saved per rank.
+
+    The numpy state is stored as a tensor and plain ints so the checkpoint loads with `torch.load(weights_only=True)`.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        kind, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": {
+                "kind": str(kind),
+                "key": torch.from_numpy(np.asarray(key, dtype=np.uint32).astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(_as_python_state(state["python"]))
+        numpy_state = state["numpy"]
+        key = numpy_state["key"].numpy().astype(np.uint32)
+        np.random.set_state(
+            (
+                numpy_state["kind"],
+                key,
+                numpy_state["pos"],
+                numpy_state["has_gauss"],
+                numpy_state["cached_gaussian"],
+            )
+        )
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_python_state(state: Any) -> tuple:
+    # A python random state round-trips through torch.save as nested tuples or lists; setstate needs tuples.
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)

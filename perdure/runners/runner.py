@@ -1,0 +1,52 @@
+"""Runner: the class users subclass; it becomes the stack that `config.stack` names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from perdure.errors import StackNotAvailableError
+from perdure.runners.base import BaseRunner, RunnerMeta
+from perdure.runners.torch_runner import TorchRunner
+
+STACKS: dict[str, type[BaseRunner]] = {"torch": TorchRunner}
+PLANNED_STACKS = {
+    "parallel": "the FSDP2 / tensor / pipeline stack",
+    "deepspeed": "the DeepSpeed stack",
+}
+
+
+def stack_class(stack: str) -> type[BaseRunner]:
+    """The runner class for `config.stack`, or a clear error for a stack this version does not have."""
+    if stack in STACKS:
+        return STACKS[stack]
+    if stack in PLANNED_STACKS:
+        raise StackNotAvailableError(
+            f"config key 'stack' = {stack!r}: {PLANNED_STACKS[stack]} is not available yet in this version of "
+            f"perdure; use stack=torch"
+        )
+    raise StackNotAvailableError(f"config key 'stack' = {stack!r}: unknown stack; use one of {', '.join(STACKS)}")
+
+
+class _RunnerDispatch(RunnerMeta):
+    """`Runner(config)` or `MyRunner(config)` builds an instance of the user's class mixed with the chosen stack.
+
+    The combined class is made once per (user class, stack) and cached, so `type(runner)` is stable.
+    """
+
+    _combined: dict[tuple[type, type], type] = {}
+
+    def __call__(cls, config: Any, *args: Any, **kwargs: Any) -> Any:
+        stack = stack_class(config.get("stack", "torch"))
+        if issubclass(cls, stack):
+            return super().__call__(config, *args, **kwargs)
+        key = (cls, stack)
+        if key not in cls._combined:
+            cls._combined[key] = _RunnerDispatch(cls.__name__, (cls, stack), {"__module__": cls.__module__})
+        return cls._combined[key](config, *args, **kwargs)
+
+
+class Runner(BaseRunner, metaclass=_RunnerDispatch):
+    """Subclass this: assign `self.model`, `self.optimizer` (optional), `self.datasets[...]` in `__init__`.
+
+    The stack (`torch`, later `parallel` / `deepspeed`) is picked from `config.stack` when the runner is built.
+    """

@@ -1,0 +1,181 @@
+"""Identity of a run: `code_id` (git commit + hash of uncommitted changes) and `config_id` (hash of the maths).
+
+The same code and config always map to the same ids, hence the same run directory: that is what makes a requeue or
+a rerun of the same command continue the run instead of starting another one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from perdure.config import flatten, plain_dict
+
+# Keys that do not change the maths, as dotted prefixes (`*` matches one section name, e.g. a dataloader split).
+# They are left out of `config_id`: logging, where the run lives, where it restores from, how checkpoints are
+# written, the step / epoch budget (so a run can be extended by resuming it with a larger budget), and loader
+# performance knobs.
+NON_IDENTITY_KEYS = (
+    "workspace",
+    "log",
+    "tensorboard",
+    "wandb",
+    "dist",
+    "resilience",
+    "checkpoint",
+    "resume",
+    "pretrained",
+    "ckpt",
+    "steps",
+    "epochs",
+    "dataloader.num_workers",
+    "dataloader.pin_memory",
+    "dataloader.*.num_workers",
+    "dataloader.*.pin_memory",
+)
+
+# Fixed diff options, so the hash of a dirty tree does not depend on the user's git configuration.
+_DIFF_ARGS = (
+    "HEAD",
+    "--binary",
+    "--no-color",
+    "--no-ext-diff",
+    "--no-textconv",
+    "--no-renames",
+    "--src-prefix=a/",
+    "--dst-prefix=b/",
+    "--unified=3",
+    "--inter-hunk-context=0",
+    "--diff-algorithm=myers",
+    "--indent-heuristic",
+)
+
+
+def _excluded(key: str) -> bool:
+    parts = key.split(".")
+    for pattern in NON_IDENTITY_KEYS:
+        segments = pattern.split(".")
+        if len(parts) >= len(segments) and all(s in ("*", p) for s, p in zip(segments, parts)):
+            return True
+    return False
+
+
+def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of `config` that changes the maths (user keys included), as nested plain dicts.
+
+    Drops every key matched by `NON_IDENTITY_KEYS` and empty-dict leaves.
+    """
+    canonical: dict[str, Any] = {}
+    for key, value in flatten(plain_dict(config)).items():
+        if _excluded(key):
+            continue
+        node = canonical
+        *sections, leaf = key.split(".")
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return canonical
+
+
+def _serialise(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def config_id(config: Mapping[str, Any]) -> str:
+    """12 hex chars of sha256 over the canonical config as sorted-key JSON. Types count: `1` and `1.0` differ."""
+    return hashlib.sha256(_serialise(canonical_config(config)).encode()).hexdigest()[:12]
+
+
+def config_diff(
+    a: Mapping[str, Any], b: Mapping[str, Any], a_label: str = "checkpoint", b_label: str = "current"
+) -> list[str]:
+    """Lines naming each dotted key whose value differs between `a` and `b`, either way, sorted by key.
+
+    e.g. `optim.lr: 0.001 (checkpoint) != 0.0003 (current)`, `only in checkpoint: foo = 1`. Values are shown as
+    JSON (so `1` and `1.0` are told apart, as `config_id` does). Pass canonical configs to compare the maths only.
+    """
+    flat_a, flat_b = flatten(plain_dict(a)), flatten(plain_dict(b))
+    lines = []
+    for key in sorted(flat_a.keys() | flat_b.keys()):
+        if key not in flat_b:
+            lines.append(f"only in {a_label}: {key} = {_serialise(flat_a[key])}")
+        elif key not in flat_a:
+            lines.append(f"only in {b_label}: {key} = {_serialise(flat_b[key])}")
+        elif _serialise(flat_a[key]) != _serialise(flat_b[key]):
+            lines.append(f"{key}: {_serialise(flat_a[key])} ({a_label}) != {_serialise(flat_b[key])} ({b_label})")
+    return lines
+
+
+def _default_path() -> Path:
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    return script.resolve().parent if script is not None and script.is_file() else Path.cwd()
+
+
+def _open_repo(path: str | os.PathLike | None) -> Any:
+    """A `git.Repo` with at least one commit containing `path`, or None (no git, not a repo, no commits)."""
+    try:
+        import git
+
+        where = Path(path) if path is not None else _default_path()
+        if where.is_file():
+            where = where.parent
+        repo = git.Repo(where, search_parent_directories=True)
+    except Exception:
+        return None
+    if repo.bare or not repo.head.is_valid():
+        repo.close()
+        return None
+    return repo
+
+
+def _diff(repo: Any) -> bytes:
+    """`git diff HEAD` of tracked files (staged or not, binary included); untracked files do not count."""
+    return repo.git.diff(*_DIFF_ARGS, stdout_as_string=False, strip_newline_in_stdout=False)
+
+
+def code_id(path: str | os.PathLike | None = None) -> str | None:
+    """Short sha of HEAD of the repo containing `path`, plus `-d<10 hex>` hashing the diff when tracked files are
+    dirty. `path` defaults to the script's directory (else the cwd). None outside a git repo or without git."""
+    repo = _open_repo(path)
+    if repo is None:
+        return None
+    try:
+        sha = repo.head.commit.hexsha[:7]
+        diff = _diff(repo)
+    except Exception:
+        return None
+    finally:
+        repo.close()
+    return f"{sha}-d{hashlib.sha256(diff).hexdigest()[:10]}" if diff else sha
+
+
+def git_state(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """Git facts for run metadata: commit, code_id, branch (None when detached), dirty, remote (origin url or None),
+    root and the diff text. None outside a git repo or without git."""
+    repo = _open_repo(path)
+    if repo is None:
+        return None
+    try:
+        commit = repo.head.commit.hexsha
+        diff = _diff(repo)
+        branch = None if repo.head.is_detached else repo.active_branch.name
+        remote = next((r.url for r in repo.remotes if r.name == "origin"), None)
+        root = repo.working_tree_dir
+    except Exception:
+        return None
+    finally:
+        repo.close()
+    return {
+        "commit": commit,
+        "code_id": f"{commit[:7]}-d{hashlib.sha256(diff).hexdigest()[:10]}" if diff else commit[:7],
+        "branch": branch,
+        "dirty": bool(diff),
+        "remote": remote,
+        "root": str(root),
+        "diff": diff.decode("utf-8", errors="replace"),
+    }
