@@ -21,7 +21,8 @@ SCENARIOS = {
     ),
     # bf16 autocast with gradient accumulation over a partial last window, EMA and clipping
     "bf16-accum": (
-        ["--steps", "24", "--precision", "bf16", "--accum_steps", "3", "--ema.enabled", "true", "--max_grad_norm", "1.0"],
+        ["--steps", "24", "--precision", "bf16", "--accum_steps", "3"]
+        + ["--ema.enabled", "true", "--max_grad_norm", "1.0"],
         "ckpt-s000000000010",
     ),
 }
