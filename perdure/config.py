@@ -56,6 +56,7 @@ _COUNTS: dict[str, tuple[int, bool]] = {
     "ckpt.interval_steps": (1, True),
     "ckpt.keep_latest_k": (0, False),
     "sched.warmup_steps": (0, False),
+    "sched.total_steps": (1, True),
     "score.patience": (0, False),
     "log.interval": (1, False),
 }
@@ -101,6 +102,9 @@ class RunnerConfig(chanfig.Config):
         self.sched.name = "none"
         self.sched.warmup_steps = 0
         self.sched.min_lr_ratio = 0.0
+        # None: the schedule spans the budget (steps, or epochs times steps per epoch). Set it to keep the curve
+        # fixed when a run is later extended with a larger budget.
+        self.sched.total_steps = None
         self.dataloader.batch_size = 32
         self.dataloader.shuffle = True
         self.dataloader.num_workers = 0

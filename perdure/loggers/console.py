@@ -32,11 +32,37 @@ def get_logger() -> logging.Logger:
     return logger
 
 
+class RunLogFile(logging.FileHandler):
+    """The log file of the run a process is working on (one at a time)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.setFormatter(logging.Formatter(_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+
+
 def attach_log_file(path: Path) -> logging.Handler:
-    """Mirror everything the console shows into `path`; returns the handler so the runner can detach it."""
+    """Mirror everything the console shows into `path`, replacing the log file of an earlier run in this process."""
     logger = get_logger()
+    for handler in [h for h in logger.handlers if isinstance(h, RunLogFile)]:
+        logger.removeHandler(handler)
+        handler.close()
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+    handler = RunLogFile(path)
     logger.addHandler(handler)
     return handler
+
+
+class EarlyRecords(logging.Handler):
+    """Holds what was logged before the run's log file exists, so the file still gets everything the console got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def replay_into(self, handler: logging.Handler) -> None:
+        for record in self.records:
+            handler.handle(record)
+        self.records.clear()

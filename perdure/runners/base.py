@@ -33,7 +33,7 @@ from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
 from perdure.errors import CheckpointError, PerdureError
-from perdure.loggers.console import attach_log_file, get_logger
+from perdure.loggers.console import EarlyRecords, attach_log_file, get_logger
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.export import export_weights, read_weights
 from perdure.runners.optim import build_optimizer, build_scheduler
@@ -69,6 +69,7 @@ class BaseRunner(metaclass=RunnerMeta):
             raise TypeError(f"{type(self).__name__} takes a RunnerConfig, got {type(config).__name__}")
         config.check()
         self.config = config
+        self.logger = get_logger()
         self.state = RunnerState()
         self.model = None
         self.criterion = None
@@ -81,27 +82,32 @@ class BaseRunner(metaclass=RunnerMeta):
         self.rank, self.world_size = self.init_distributed()
         seed_everything(config.seed)
 
-        self.run_dir = resolve_run_dir(config, type(self).__name__)
-        self.checkpoints = self.checkpoint_manager_class(
-            self.run_dir.checkpoints,
-            CheckpointPolicy.from_config(config.ckpt),
-            rank=self.rank,
-            world_size=self.world_size,
-            identity={"config_id": self.run_dir.config_id, "code_id": self.run_dir.code_id},
-        )
-        # Decided before anything is written, so a refused restore leaves no trace.
-        self.restore_source = choose_restore_source(
-            self.checkpoints.resolve(),
-            run_dir=self.run_dir.path,
-            resume=config.resume,
-            checkpoint=config.checkpoint,
-            pretrained=config.pretrained,
-        )
+        early_records = EarlyRecords()  # what is logged before the log file exists still reaches it
+        self.logger.addHandler(early_records)
+        try:
+            self.run_dir = resolve_run_dir(config, type(self).__name__)
+            self.checkpoints = self.checkpoint_manager_class(
+                self.run_dir.checkpoints,
+                CheckpointPolicy.from_config(config.ckpt),
+                rank=self.rank,
+                world_size=self.world_size,
+                identity={"config_id": self.run_dir.config_id, "code_id": self.run_dir.code_id},
+            )
+            # Decided before anything is written, so a refused restore leaves no trace.
+            self.restore_source = choose_restore_source(
+                self.checkpoints.resolve(),
+                run_dir=self.run_dir.path,
+                resume=config.resume,
+                checkpoint=config.checkpoint,
+                pretrained=config.pretrained,
+            )
+        finally:
+            self.logger.removeHandler(early_records)
         self.attempt_started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        self.logger = get_logger()
         if self.is_main_process:
             self.run_dir.create()
             self._log_file = attach_log_file(self.run_dir.logs / f"{self.attempt_started}.log")
+            early_records.replay_into(self._log_file)
         self._saved_position: tuple[int, int, int] | None = None
         self._losses: list[torch.Tensor] = []
         self._clock = time.perf_counter()
@@ -115,7 +121,8 @@ class BaseRunner(metaclass=RunnerMeta):
         if self.optimizer is None:
             self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
         if self.scheduler is None:
-            self.scheduler = build_scheduler(self.optimizer, self.config.sched, self.total_steps_hint())
+            total = self.config.sched.total_steps or self.total_steps_hint()
+            self.scheduler = build_scheduler(self.optimizer, self.config.sched, total)
         if self.config.ema.enabled and self.ema is None:
             self.ema = ExponentialMovingAverage(self.model, self.config.ema.decay)
         self.build_dataloaders()
