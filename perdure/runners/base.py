@@ -101,6 +101,8 @@ class BaseRunner(metaclass=RunnerMeta):
                 checkpoint=config.checkpoint,
                 pretrained=config.pretrained,
             )
+            if self.restore_source.info is not None:
+                self._check_same_config(self.restore_source.info)
         finally:
             self.logger.removeHandler(early_records)
         self.attempt_started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
@@ -531,7 +533,6 @@ class BaseRunner(metaclass=RunnerMeta):
         """Load what `choose_restore_source` decided, in the order state, model, EMA, optimizer, scheduler, data."""
         self.logger.info("%s", source.describe())
         if source.kind in ("resume", "checkpoint"):
-            self._check_same_config(source.info)
             self.checkpoints.load(source.info, self.checkpoint_states(), self.checkpoint_local_states())
             self._saved_position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
         elif source.kind == "pretrained":

@@ -36,6 +36,7 @@ class _RunnerDispatch(RunnerMeta):
     _combined: dict[tuple[type, type], type] = {}
 
     def __call__(cls, config: Any, *args: Any, **kwargs: Any) -> Any:
+        config.check()
         stack = stack_class(config.get("stack", "torch"))
         if issubclass(cls, stack):
             return super().__call__(config, *args, **kwargs)

@@ -1,0 +1,149 @@
+"""The restore rule, the alternative constructors, and config checks that must fail before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from perdure import CheckpointError, ConfigError, ResumeError, StackNotAvailableError
+from tests.runs import assert_same_weights, run_dir
+from tests.scripts.resumable import Config, ResumableRunner
+
+
+def make_config(root, **overrides) -> Config:
+    config = Config()
+    config.workspace.root = str(root)
+    config.steps = 12
+    config.ckpt.interval = 4
+    for key, value in overrides.items():
+        config[key] = value
+    return config
+
+
+def train(root, **overrides) -> ResumableRunner:
+    runner = ResumableRunner(make_config(root, **overrides))
+    runner.train()
+    return runner
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("steps", -3),
+        ("steps", 2.5),
+        ("accum_steps", 0),
+        ("precision", "fp8"),
+        ("stack", "jax"),
+        ("checkpoint", "/nonexistent/ckpt-s000000000010"),
+        ("pretrained", "/nonexistent/model.pth"),
+        ("ckpt.keep_latest_k", -1),
+        ("dataloader.batch_size", 0),
+        ("resume", "sometimes"),
+    ],
+)
+def test_bad_config_fails_before_writing(tmp_path, key, value):
+    root = tmp_path / "runs"
+    with pytest.raises(ConfigError) as error:
+        ResumableRunner(make_config(root, **{key: value}))
+    assert key in str(error.value)
+    assert not root.exists()
+
+
+def test_both_budgets_fail_before_writing(tmp_path):
+    root = tmp_path / "runs"
+    with pytest.raises(ConfigError, match="steps"):
+        ResumableRunner(make_config(root, epochs=2))
+    assert not root.exists()
+
+
+def test_planned_stack_is_refused_clearly(tmp_path):
+    root = tmp_path / "runs"
+    with pytest.raises(StackNotAvailableError, match="not available yet"):
+        ResumableRunner(make_config(root, stack="parallel"))
+    assert not root.exists()
+
+
+def test_resume_false_refuses_a_run_with_checkpoints(tmp_path):
+    train(tmp_path)
+    before = sorted(p.name for p in (run_dir(tmp_path) / "checkpoints").iterdir())
+    with pytest.raises(ResumeError, match="workspace.id"):
+        ResumableRunner(make_config(tmp_path, steps=20, resume=False))
+    assert sorted(p.name for p in (run_dir(tmp_path) / "checkpoints").iterdir()) == before
+
+
+def test_budget_reached_returns_and_larger_budget_continues(tmp_path, caplog):
+    first = train(tmp_path)
+    again = train(tmp_path)
+    assert again.global_step == first.global_step == 12
+    longer = train(tmp_path, steps=16)
+    assert longer.global_step == 16
+    assert (run_dir(tmp_path) / "checkpoints" / "latest").read_text().strip() == "ckpt-s000000000016"
+
+
+def test_explicit_checkpoint_with_another_config_is_refused_with_the_diff(tmp_path):
+    source = train(tmp_path / "a")
+    checkpoint = run_dir(tmp_path / "a") / "checkpoints" / "ckpt-s000000000012"
+    with pytest.raises(CheckpointError) as error:
+        ResumableRunner(make_config(tmp_path / "b", checkpoint=str(checkpoint), **{"optim.lr": 0.5}))
+    message = str(error.value)
+    assert "optim.lr" in message and "0.5" in message and "--pretrained" in message
+    assert not (tmp_path / "b").exists()
+    assert source.global_step == 12
+
+
+def test_explicit_checkpoint_starts_a_new_run_from_full_state(tmp_path):
+    train(tmp_path / "a")
+    checkpoint = run_dir(tmp_path / "a") / "checkpoints" / "ckpt-s000000000008"
+    runner = ResumableRunner(make_config(tmp_path / "b", checkpoint=str(checkpoint)))
+    assert runner.global_step == 8
+    saved = torch.load(checkpoint / "state.pth", weights_only=True)["model"]
+    assert_same_weights(runner.model.state_dict(), saved)
+
+
+def test_own_checkpoint_wins_over_explicit_sources(tmp_path, caplog):
+    train(tmp_path / "a")
+    other = run_dir(tmp_path / "a") / "checkpoints" / "ckpt-s000000000004"
+    train(tmp_path / "b", steps=8)
+    runner = ResumableRunner(make_config(tmp_path / "b", steps=8, checkpoint=str(other)))
+    assert runner.global_step == 8
+    assert runner.restore_source.kind == "resume"
+
+
+def test_from_checkpoint_rebuilds_config_and_state(tmp_path):
+    trained = train(tmp_path, **{"optim.lr": 0.003})
+    for path in (run_dir(tmp_path), run_dir(tmp_path) / "checkpoints", run_dir(tmp_path) / "checkpoints" / "latest"):
+        target = path.parent / path.read_text().strip() if path.name == "latest" else path
+        rebuilt = ResumableRunner.from_checkpoint(target, config_class=Config)
+        assert rebuilt.config.optim.lr == 0.003
+        assert rebuilt.global_step == trained.global_step
+        assert_same_weights(rebuilt.model.state_dict(), trained.model.state_dict())
+
+
+def test_from_pretrained_loads_weights_only(tmp_path):
+    trained = train(tmp_path / "a")
+    exported = run_dir(tmp_path / "a") / "model.pth"
+    for source in (exported, run_dir(tmp_path / "a")):
+        config = make_config(tmp_path / "b", **{"workspace.id": f"finetune-{source.name}"})
+        runner = ResumableRunner.from_pretrained(config, source)
+        assert runner.global_step == 0
+        assert_same_weights(runner.model.state_dict(), trained.model.state_dict())
+
+
+def test_disabled_checkpointing_writes_nothing_but_still_reads(tmp_path):
+    disabled = train(tmp_path / "off", **{"ckpt.enabled": False})
+    assert disabled.global_step == 12
+    assert not list((run_dir(tmp_path / "off") / "checkpoints").iterdir())
+    assert not (run_dir(tmp_path / "off") / "model.pth").exists()
+
+    train(tmp_path / "on")
+    checkpoints = run_dir(tmp_path / "on") / "checkpoints"
+    before = sorted(p.name for p in checkpoints.iterdir())
+    resumed = train(tmp_path / "on", steps=20, **{"ckpt.enabled": False})
+    assert resumed.restore_source.kind == "resume" and resumed.global_step == 20
+    assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+def test_export_dtype_casts_the_model_export(tmp_path):
+    train(tmp_path, **{"ckpt.export_dtype": "bf16"})
+    exported = torch.load(run_dir(tmp_path) / "model.pth", weights_only=True)
+    assert all(tensor.dtype == torch.bfloat16 for tensor in exported.values())

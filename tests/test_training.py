@@ -1,0 +1,82 @@
+"""The loop's own rules: non-finite steps are skipped, accumulation, evaluation bounds, the batch contract."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from perdure import PerdureError
+from tests.scripts.resumable import Config, ResumableRunner
+
+
+def make_config(root, **overrides) -> Config:
+    config = Config()
+    config.workspace.root = str(root)
+    config.steps = 6
+    config.ckpt.interval = 3
+    for key, value in overrides.items():
+        config[key] = value
+    return config
+
+
+class NaNAtStep(ResumableRunner):
+    """Returns a NaN loss for the second window of training."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls = 0
+
+    def train_step(self, batch):
+        self.calls += 1
+        loss = super().train_step(batch)
+        return loss * math.nan if self.calls == 2 else loss
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, precision):
+    runner = NaNAtStep(make_config(tmp_path, precision=precision))
+    runner.train()
+    assert runner.state.skipped_steps == 1
+    assert runner.global_step == 6
+    assert runner.calls == 7  # one window was consumed without a step
+    assert all(torch.isfinite(p).all() for p in runner.model.parameters())
+
+
+def test_nonfinite_step_is_applied_when_skipping_is_off(tmp_path):
+    runner = NaNAtStep(make_config(tmp_path, skip_nonfinite_grad=False))
+    runner.train()
+    assert runner.state.skipped_steps == 0
+    assert not all(torch.isfinite(p).all() for p in runner.model.parameters())
+
+
+def test_accumulation_counts_optimizer_steps(tmp_path):
+    runner = ResumableRunner(make_config(tmp_path, accum_steps=4))
+    runner.train()
+    assert runner.global_step == 6
+    # 100 samples / batch 8 = 13 batches per epoch: windows of 4, 4, 4, 1
+    assert runner.state.epoch == 1 and runner.state.batch_in_epoch == 8
+
+
+def test_evaluation_is_bounded_in_step_mode(tmp_path):
+    runner = ResumableRunner(make_config(tmp_path, steps=40))
+    assert runner.default_eval_steps() == 2
+    full = runner.evaluate_steps("val")
+    bounded = runner.evaluate(["val"])["val"]
+    assert full["loss"] != bounded["loss"]
+    assert runner.infer("val").shape == (40, 2)
+
+
+def test_epoch_mode_evaluates_after_each_epoch(tmp_path):
+    runner = ResumableRunner(make_config(tmp_path, steps=None, epochs=2))
+    results = runner.train()
+    assert list(results) == ["13", "26"]
+    assert runner.epoch == 2
+    assert runner.is_best in (True, False) and runner.best_score is not None
+
+
+def test_a_batch_outside_the_default_contract_says_how_to_fix_it(tmp_path):
+    runner = ResumableRunner(make_config(tmp_path))
+    with pytest.raises(PerdureError, match="override train_step"):
+        runner.unpack_batch(torch.zeros(3))
