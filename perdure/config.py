@@ -31,11 +31,24 @@ SCHEDULERS = ("none", "constant", "cosine", "linear")
 SCORE_MODES = ("min", "max")
 EXPORT_DTYPES = (None, "fp32", "bf16", "fp16")
 RESUME_VALUES = ("auto", True, False)
+ASYNC_MODES = ("disabled", "thread", "process")
+ON_ERROR = ("warn", "raise")
+WANDB_MODES = ("online", "offline", "disabled")
+PROGRESS_MODES = ("auto", "bar", "lines")
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
 
 # Keys holding a path or a name: command-line text is kept verbatim (no YAML typing); "none" / "null" clear them.
 OPTIONAL_STR_KEYS = frozenset(
-    {"checkpoint", "pretrained", "workspace.root", "workspace.lineage", "workspace.id", "ckpt.export_dtype"}
+    {
+        "checkpoint",
+        "pretrained",
+        "workspace.root",
+        "workspace.lineage",
+        "workspace.id",
+        "ckpt.export_dtype",
+        "wandb.project",
+        "wandb.entity",
+    }
 )
 
 _CHOICES: dict[str, tuple] = {
@@ -47,6 +60,10 @@ _CHOICES: dict[str, tuple] = {
     "optim.name": OPTIMIZERS,
     "sched.name": SCHEDULERS,
     "score.mode": SCORE_MODES,
+    "ckpt.async_mode": ASYNC_MODES,
+    "ckpt.on_error": ON_ERROR,
+    "wandb.mode": WANDB_MODES,
+    "log.progress": PROGRESS_MODES,
 }
 # key: (minimum, None allowed)
 _COUNTS: dict[str, tuple[int, bool]] = {
@@ -60,7 +77,14 @@ _COUNTS: dict[str, tuple[int, bool]] = {
     "score.patience": (0, False),
     "log.interval": (1, False),
 }
-_BOOLS = ("skip_nonfinite_grad", "ckpt.enabled", "ckpt.save_best", "ema.enabled")
+_BOOLS = (
+    "skip_nonfinite_grad",
+    "ckpt.enabled",
+    "ckpt.save_best",
+    "ema.enabled",
+    "tensorboard.enabled",
+    "wandb.enabled",
+)
 _TRUE = ("true", "yes", "1")
 _FALSE = ("false", "no", "0")
 _NULL = ("none", "null", "~")
@@ -93,6 +117,8 @@ class RunnerConfig(chanfig.Config):
         self.ckpt.keep_latest_k = 0
         self.ckpt.save_best = True
         self.ckpt.export_dtype = None
+        self.ckpt.async_mode = "disabled"  # disabled | thread | process
+        self.ckpt.on_error = "warn"  # a failed periodic save: warn and train on, or raise
         self.optim.name = "adamw"
         self.optim.lr = 1e-3
         self.optim.weight_decay = 0.0
@@ -121,6 +147,13 @@ class RunnerConfig(chanfig.Config):
         self.workspace.id = None
         self.workspace.tags = []
         self.log.interval = 10
+        self.log.progress = "auto"  # auto: a progress bar on a terminal, plain lines otherwise
+        self.tensorboard.enabled = False
+        self.wandb.enabled = False
+        self.wandb.project = None
+        self.wandb.entity = None
+        self.wandb.mode = "online"
+        self.resilience.exit_code = None  # exit status after a preemption; None: 128 + signal number
 
     # ------------------------------------------------------------------ views
 
@@ -273,6 +306,9 @@ class RunnerConfig(chanfig.Config):
         budget = "steps" if steps is not None else "epochs"
         _check_int(budget, get(budget), 1)
         _check_int("seed", get("seed"), None)
+        exit_code = get("resilience.exit_code")
+        if exit_code is not None and not (_is_int(exit_code) and 0 <= exit_code <= 255):
+            raise ConfigError("resilience.exit_code", exit_code, "use an integer from 0 to 255, or None for 128+signal")
         for key, (minimum, optional) in _COUNTS.items():
             _check_int(key, get(key), minimum, optional)
         for key, choices in _CHOICES.items():

@@ -53,6 +53,8 @@ def test_defaults():
         "keep_latest_k": 0,
         "save_best": True,
         "export_dtype": None,
+        "async_mode": "disabled",
+        "on_error": "warn",
     }
     assert c["optim"]["betas"] == [0.9, 0.999] and c["optim"]["lr"] == 1e-3
     assert c["dataloader"]["batch_size"] == 32 and c["score"]["mode"] == "min"

@@ -1,0 +1,34 @@
+"""The `perdure` command: `perdure runs ...` (the run registry) and `perdure ckpt ...` (checkpoints)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from perdure.errors import PerdureError
+
+# Each subcommand module exposes `add_parser(subparsers)`; the parser it adds sets `handler(args) -> int`.
+SUBCOMMANDS = {"runs": "perdure.cli.runs", "ckpt": "perdure.cli.ckpt"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="perdure", description="Inspect perdure runs and checkpoints.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(module).add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except PerdureError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
