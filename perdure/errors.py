@@ -33,3 +33,7 @@ class ResumeError(PerdureError):
 
 class StackNotAvailableError(PerdureError):
     """The configured `stack` is not implemented in this version."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (disk full, I/O error, ...). Committed checkpoints are intact; the message says which save."""

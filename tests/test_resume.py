@@ -19,6 +19,13 @@ SCENARIOS = {
         ["--epochs", "3", "--ckpt.interval_steps", "4", "--dataloader.num_workers", "2"],
         "ckpt-s000000000008",
     ),
+    # async saves: the snapshot overlaps the next forward / backward, the write happens in the background
+    "async-thread": (["--steps", "40", "--ckpt.async_mode", "thread", "--ckpt.interval", "5"], "ckpt-s000000000010"),
+    # the writer process takes a while to start, so plain saves coalesce: wait for whichever commits first
+    "async-process-epochs": (
+        ["--epochs", "4", "--ckpt.interval_steps", "4", "--ckpt.async_mode", "process"],
+        "ckpt-s*",
+    ),
     # bf16 autocast with gradient accumulation over a partial last window, EMA and clipping
     "bf16-accum": (
         ["--steps", "24", "--precision", "bf16", "--accum_steps", "3"]
@@ -41,7 +48,7 @@ def test_sigkill_and_rerun_is_bit_exact(tmp_path, name):
         *args,
         when_exists=f"*/*/checkpoints/{checkpoint}/manifest.json",
         delay=delay,
-        STEP_SLEEP="0.02",
+        STEP_SLEEP="0.04",
         LOSS_LOG=tmp_path / "killed.jsonl",
     )
     assert killed.returncode == -9

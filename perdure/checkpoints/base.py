@@ -6,11 +6,14 @@ import logging
 import os
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import torch
+
+from perdure.checkpoints.async_save import AsyncSaver, SaveJob, SaveOutcome
 from perdure.checkpoints.commit import (
     FileRecord,
     commit_checkpoint,
@@ -20,10 +23,13 @@ from perdure.checkpoints.commit import (
     write_pointer,
 )
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_latest
+from perdure.checkpoints.snapshot import Snapshot, available_memory, snapshot_nbytes
 
 logger = logging.getLogger("perdure")
 
 PRUNE_PREFIX = ".prune-"
+# An async snapshot may use at most this share of the host memory still available; otherwise the save is synchronous.
+MEMORY_HEADROOM = 0.8
 
 
 @runtime_checkable
@@ -38,6 +44,7 @@ class CheckpointPolicy:
     """When to write and what to keep; read from the `ckpt.*` config section."""
 
     enabled: bool = True
+    async_mode: str = "disabled"
     interval: int | None = None
     interval_steps: int | None = None
     keep_latest_k: int = 0
@@ -48,6 +55,7 @@ class CheckpointPolicy:
     def from_config(cls, ckpt: Mapping[str, Any]) -> CheckpointPolicy:
         return cls(
             enabled=bool(ckpt.get("enabled", True)),
+            async_mode=ckpt.get("async_mode") or "disabled",
             interval=ckpt.get("interval"),
             interval_steps=ckpt.get("interval_steps"),
             keep_latest_k=int(ckpt.get("keep_latest_k") or 0),
@@ -86,6 +94,7 @@ class CheckpointManager(ABC):
         self.identity = dict(identity or {})
         self.resumed_from: str | None = None
         self.last_saved: str | None = None
+        self._saver: AsyncSaver | None = None
 
     # ---- what the runner calls -------------------------------------------------------------------------------
 
@@ -104,35 +113,101 @@ class CheckpointManager(ABC):
         meta: Mapping[str, Any],
         is_best: bool = False,
         texts: Mapping[str, str] | None = None,
+        persistent: bool = False,
+        deferred: Iterable[torch.Tensor] = (),
     ) -> Path | None:
-        """Write, commit and publish checkpoint `name`; prune afterwards. Returns its directory, or None if disabled.
+        """Save checkpoint `name`; returns its directory (committed in sync mode, queued in async mode) or None.
 
         `meta` goes into the manifest (step, epoch, ids, ...); `texts` are small human-readable files (config.yaml).
-        A name that is already committed is not written again: a position is never saved twice.
+        `persistent` saves (best, final, preemption) are never coalesced away in async mode. `deferred` tensors are
+        ones only the optimizer step changes: an async snapshot copies them while training goes on, and the runner
+        calls `wait_for_snapshots()` before its next optimizer step. A name that is already committed is not written
+        again: a position is never saved twice. A failed sync save raises after removing its partial directory.
         """
         if not self.policy.enabled:
             return None
         final = self.root / name
         if final.exists():
             return final
-        replicated = {key: state.state_dict() for key, state in states.items()}
-        local = {key: state.state_dict() for key, state in local_states.items()}
-        staging = make_staging_dir(self.root, name)
+        job = SaveJob(
+            name=name,
+            replicated={key: state.state_dict() for key, state in states.items()},
+            local={key: state.state_dict() for key, state in local_states.items()},
+            meta={**self.identity, **meta, "backend": self.backend, "world_size": self.world_size},
+            is_best=is_best,
+            texts=dict(texts or {}),
+            persistent=persistent,
+            protected=frozenset({self.resumed_from} - {None}),
+        )
+        if self.policy.async_mode == "disabled":
+            self.commit_job(job)
+            return final
+        saver = self._async_saver()
+        saver.make_room()
+        needed = snapshot_nbytes([job.replicated, job.local])
+        available = available_memory()
+        if needed > MEMORY_HEADROOM * available:
+            logger.warning(
+                "saving %s synchronously: its snapshot needs %.2f GB but only %.2f GB of host memory is available",
+                name,
+                needed / 1e9,
+                available / 1e9,
+            )
+            saver.drain()
+            self.commit_job(job)
+            return final
+        snapshot = Snapshot(
+            job.replicated, job.local, deferred=deferred, shared_memory=self.policy.async_mode == "process"
+        )
+        job.replicated, job.local = {}, {}
+        saver.submit(job, snapshot)
+        return final
+
+    def commit_job(self, job: SaveJob) -> Path:
+        """Write, commit and publish one save, then prune. Runs inline, in the writer thread or writer process."""
+        final = self.root / job.name
+        staging = make_staging_dir(self.root, job.name)
         try:
-            files = self.write(staging, replicated, local)
-            for relative, text in (texts or {}).items():
+            files = self.write(staging, job.replicated, job.local)
+            for relative, text in job.texts.items():
                 files[relative] = _write_text_file(staging / relative, text)
-            manifest_meta = {**self.identity, **meta, "backend": self.backend, "world_size": self.world_size}
-            commit_checkpoint(staging, final, files, manifest_meta)
+            commit_checkpoint(staging, final, files, job.meta)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        write_pointer(self.root, "latest", name)
-        if is_best:
-            write_pointer(self.root, "best", name)
-        self.last_saved = name
-        self.prune()
+        write_pointer(self.root, "latest", job.name)
+        if job.is_best:
+            write_pointer(self.root, "best", job.name)
+        self.last_saved = job.name
+        self.prune(protected=job.protected | {job.name})
         return final
+
+    def wait_for_snapshots(self) -> None:
+        """Block until async snapshots have copied what the optimizer step is about to change."""
+        if self._saver is not None:
+            self._saver.wait_for_snapshots()
+
+    def take_outcomes(self) -> list[SaveOutcome]:
+        """Background saves finished since the last call (failures carry their error)."""
+        return self._saver.take_outcomes() if self._saver is not None else []
+
+    def drain(self) -> list[SaveOutcome]:
+        """Wait for every queued save; return the outcomes not yet taken."""
+        if self._saver is None:
+            return []
+        self._saver.drain()
+        return self._saver.take_outcomes()
+
+    def _async_saver(self) -> AsyncSaver:
+        if self._saver is None:
+            self._saver = AsyncSaver(self, self.policy.async_mode)
+        return self._saver
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The writer process gets a copy of the manager, without the queue that feeds it.
+        state = dict(self.__dict__)
+        state["_saver"] = None
+        return state
 
     def load(self, info: CheckpointInfo, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> None:
         """Restore every object from a verified checkpoint, in the mappings' order."""
@@ -140,7 +215,7 @@ class CheckpointManager(ABC):
         if info.path.parent.resolve() == self.root.resolve():
             self.resumed_from = info.name
 
-    def prune(self) -> list[Path]:
+    def prune(self, protected: frozenset[str] = frozenset()) -> list[Path]:
         """Apply `keep_latest_k` by scanning the directory, so retention survives restarts.
 
         Never removes the `latest` or `best` target, the checkpoint this attempt resumed from, or the one just saved.
@@ -154,7 +229,7 @@ class CheckpointManager(ABC):
         keep = self.policy.keep_latest_k
         if keep <= 0:
             return []
-        protected = {read_pointer(self.root, "latest"), read_pointer(self.root, "best")}
+        protected = set(protected) | {read_pointer(self.root, "latest"), read_pointer(self.root, "best")}
         protected |= {self.resumed_from, self.last_saved}
         removed = []
         for path in committed_checkpoints(self.root)[keep:]:
@@ -166,9 +241,14 @@ class CheckpointManager(ABC):
             removed.append(path)
         return removed
 
-    def close(self) -> None:
-        """Wait for every save in flight. Synchronous managers have nothing to wait for."""
-        return None
+    def close(self) -> list[SaveOutcome]:
+        """Wait for every save in flight and stop the background writer; return the outcomes not yet taken."""
+        if self._saver is None:
+            return []
+        outcomes = self.drain()
+        self._saver.close()
+        self._saver = None
+        return outcomes
 
     # ---- what a backend implements ---------------------------------------------------------------------------
 

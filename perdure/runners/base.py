@@ -13,6 +13,7 @@ Stack-specific work (device, autocast, gradient scaling, wrapping) lives in the 
 from __future__ import annotations
 
 import math
+import signal
 import time
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -25,15 +26,17 @@ import torch
 import yaml
 from torch import nn
 
+from perdure.checkpoints.async_save import SaveOutcome
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy, Stateful
-from perdure.checkpoints.commit import checkpoint_name
+from perdure.checkpoints.commit import checkpoint_name, read_pointer
 from perdure.checkpoints.file import FileCheckpointManager
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
-from perdure.errors import CheckpointError, PerdureError
+from perdure.errors import CheckpointError, CheckpointSaveError, PerdureError
 from perdure.loggers.console import EarlyRecords, attach_log_file, get_logger
+from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.export import export_weights, read_weights
 from perdure.runners.optim import build_optimizer, build_scheduler
@@ -79,6 +82,8 @@ class BaseRunner(metaclass=RunnerMeta):
         self.datasets: dict[str, Any] = {}
         self.dataloaders: dict[str, ResumableLoader] = {}
         self.is_best = False
+        self.save_failures: list[str] = []
+        self.preemption = PreemptionHandler()
         self.rank, self.world_size = self.init_distributed()
         seed_everything(config.seed)
 
@@ -262,21 +267,32 @@ class BaseRunner(metaclass=RunnerMeta):
             "training %s from step %d (epoch %d) for %s", self.run_dir.path, self.state.global_step,
             self.state.epoch, budget,
         )  # fmt: skip
+
+        def done() -> bool:
+            return budget_reached() or self.state.early_stopped
+
         loader = self.dataloaders["train"]
         self.model.train()
-        while not (budget_reached() or self.state.early_stopped):
-            epoch_started = self.state.batch_in_epoch == 0
-            consumed = 0
-            for window in self._accumulation_windows(loader):
-                consumed += len(window)
-                self._train_window(window, loader)
-                if budget_reached() or self.state.early_stopped:
-                    break
-            else:
-                if epoch_started and consumed == 0:
-                    raise PerdureError("the 'train' dataloader yields no batches: check the dataset and batch_size")
-                self._end_epoch()
-        self._finish()
+        self.preemption.install()
+        try:
+            while not (done() or self.stop_requested()):
+                epoch_started = self.state.batch_in_epoch == 0
+                consumed = 0
+                for window in self._accumulation_windows(loader):
+                    consumed += len(window)
+                    self._train_window(window, loader)
+                    if done() or self.stop_requested():
+                        break
+                else:
+                    if epoch_started and consumed == 0:
+                        raise PerdureError("the 'train' dataloader yields no batches: check the dataset and batch_size")
+                    self._end_epoch()
+        finally:
+            self.preemption.uninstall()
+        if done():
+            self._finish()
+        else:
+            self._stop_for_preemption()
 
     def _accumulation_windows(self, loader: ResumableLoader) -> Iterator[list[Any]]:
         """Groups of `accum_steps` micro-batches; an epoch's last window may be shorter and is stepped as is."""
@@ -301,6 +317,7 @@ class BaseRunner(metaclass=RunnerMeta):
                 self.backward(loss / len(window))
             losses.append(loss.detach())
         self.state.batch_in_epoch += len(window)
+        self.checkpoints.wait_for_snapshots()  # an async save may still be copying what the step will change
         stepped = self.optimizer_step()
         if not stepped:
             self.state.skipped_steps += 1
@@ -352,15 +369,33 @@ class BaseRunner(metaclass=RunnerMeta):
         elif self.is_best and self.config.ckpt.save_best:
             self.save_checkpoint("best")
 
+    def stop_requested(self) -> bool:
+        """Called after every optimizer step: True when training must stop now (a preemption signal arrived).
+
+        Distributed stacks override it so that all ranks agree. Must not save or exit: the loop does that.
+        """
+        return self.preemption.requested
+
     def _finish(self) -> None:
-        """Training is over (budget or early stop): final checkpoint, export, close."""
+        """Training is over (budget or early stop): final checkpoint, drain, export."""
         self.save_checkpoint("final")
+        self._report_saves(self.checkpoints.close())
         if self.config.ckpt.enabled and self.is_main_process:
             self.export_model()
-        self.checkpoints.close()
         self.logger.info(
             "finished at step %d (epoch %d); run dir %s", self.state.global_step, self.state.epoch, self.run_dir.path
         )
+
+    def _stop_for_preemption(self) -> None:
+        """A signal asked to stop: save this step, drain the writer, exit with 128 + signal (or the configured code)."""
+        signum = self.preemption.received
+        self.logger.warning(
+            "received %s: checkpointing step %d and exiting", signal.Signals(signum).name, self.state.global_step
+        )
+        self.save_checkpoint("preemption")
+        self._report_saves(self.checkpoints.close())
+        exit_code = self.config.resilience.exit_code
+        raise SystemExit(128 + signum if exit_code is None else exit_code)
 
     # ---- evaluation --------------------------------------------------------------------------------------------
 
@@ -502,7 +537,10 @@ class BaseRunner(metaclass=RunnerMeta):
         return {"data": _DataPosition(self), "rng": RNGState()}
 
     def save_checkpoint(self, reason: str) -> Path | None:
-        """Commit the current position (once per position); `reason` is recorded in the manifest."""
+        """Save the current position (once per position); `reason` (interval, best, final, preemption) goes into the
+        manifest. Async modes return as soon as the snapshot is handed over. A failed save is reported and, unless it
+        is a final or preemption save or `ckpt.on_error=raise`, training goes on."""
+        self._report_saves(self.checkpoints.take_outcomes())
         position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
         if position == self._saved_position or self.state.global_step == 0:
             return None
@@ -515,19 +553,55 @@ class BaseRunner(metaclass=RunnerMeta):
             "reason": reason,
             "score": self.state.best_score if self.state.best_step == self.state.global_step else None,
         }
+        is_best = self.state.best_step == self.state.global_step
         started = time.perf_counter()
-        path = self.checkpoints.save(
-            name,
-            self.checkpoint_states(),
-            self.checkpoint_local_states(),
-            meta=meta,
-            is_best=self.state.best_step == self.state.global_step,
-            texts={"config.yaml": yaml.safe_dump(self.config.to_plain(), sort_keys=True)},
-        )
         self._saved_position = position
+        try:
+            path = self.checkpoints.save(
+                name,
+                self.checkpoint_states(),
+                self.checkpoint_local_states(),
+                meta=meta,
+                is_best=is_best,
+                texts={"config.yaml": yaml.safe_dump(self.config.to_plain(), sort_keys=True)},
+                persistent=reason != "interval" or is_best,
+                deferred=self._tensors_changed_by_step(),
+            )
+        except (OSError, CheckpointError) as error:
+            self._save_failed(name, reason, f"{type(error).__name__}: {error}")
+            return None
         if path is not None:
-            self.logger.info("saved %s (%s) in %.2fs", path.name, reason, time.perf_counter() - started)
+            how = "saved" if self.config.ckpt.async_mode == "disabled" else "snapshotted"
+            self.logger.info("%s %s (%s) in %.3fs", how, path.name, reason, time.perf_counter() - started)
         return path
+
+    def _tensors_changed_by_step(self) -> list[torch.Tensor]:
+        """Tensors only the optimizer step (and the EMA update after it) changes: an async save copies them late."""
+        tensors = list(self.unwrap_model().parameters())
+        for state in self.optimizer.state.values():
+            tensors.extend(value for value in state.values() if isinstance(value, torch.Tensor))
+        if self.ema is not None:
+            tensors.extend(self.ema.shadow.values())
+        return tensors
+
+    def _report_saves(self, outcomes: list[SaveOutcome]) -> None:
+        for outcome in outcomes:
+            if outcome.error is None:
+                self.logger.info("committed %s (%s) in the background in %.2fs", outcome.name, outcome.reason,
+                                 outcome.seconds)  # fmt: skip
+            else:
+                self._save_failed(outcome.name, outcome.reason, outcome.error)
+
+    def _save_failed(self, name: str, reason: str, error: str) -> None:
+        """A save failed: always reported; raised for final / preemption saves and with `ckpt.on_error=raise`."""
+        self.save_failures.append(f"{name}: {error}")
+        message = (
+            f"checkpoint {name} ({reason}) failed: {error}. Its partial directory was removed and every committed "
+            f"checkpoint is intact (latest: {read_pointer(self.run_dir.checkpoints, 'latest')})."
+        )
+        if reason in ("final", "preemption") or self.config.ckpt.on_error == "raise":
+            raise CheckpointSaveError(message)
+        self.logger.error("%s Training goes on (ckpt.on_error=warn).", message)
 
     def restore(self, source: RestoreSource) -> None:
         """Load what `choose_restore_source` decided, in the order state, model, EMA, optimizer, scheduler, data."""

@@ -1,0 +1,223 @@
+"""Background checkpoint writing: one write in flight, persistent saves in order, plain saves coalesced.
+
+The loop hands over a `Snapshot` and goes on training; a writer thread waits for the snapshot's copies, then writes,
+checksums, commits, publishes pointers and prunes — itself (`thread` mode), or through a spawned writer process
+(`process` mode, which keeps serialization and hashing off the training process's GIL). A failure is kept and
+reported by the manager at the next save; the partial directory is removed, committed checkpoints are untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import resource
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch.multiprocessing as torch_mp
+
+from perdure.checkpoints.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from perdure.checkpoints.base import CheckpointManager
+
+logger = logging.getLogger("perdure")
+
+
+@dataclass
+class SaveJob:
+    """Everything one commit needs, in plain data and CPU tensors (picklable for the writer process)."""
+
+    name: str
+    replicated: dict[str, Any]
+    local: dict[str, Any]
+    meta: dict[str, Any]
+    is_best: bool
+    texts: dict[str, str]
+    persistent: bool
+    protected: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass
+class SaveOutcome:
+    """How a background save ended: `error` is None on success."""
+
+    name: str
+    reason: str
+    seconds: float
+    error: str | None = None
+
+
+class AsyncSaver:
+    """The queue between the training loop and the single background writer."""
+
+    def __init__(self, manager: CheckpointManager, mode: str) -> None:
+        if mode not in ("thread", "process"):
+            raise ValueError(f"async mode must be 'thread' or 'process', got {mode!r}")
+        self.manager = manager
+        self.mode = mode
+        self._condition = threading.Condition()
+        self._pending: deque[tuple[SaveJob, Snapshot]] = deque()
+        self._in_flight: str | None = None
+        self._snapshots: list[Snapshot] = []
+        self._outcomes: list[SaveOutcome] = []
+        self._closed = False
+        self._writer: _WriterProcess | None = None
+        self._thread = threading.Thread(target=self._run, name="perdure-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    # ---- the training loop's side -------------------------------------------------------------------------------
+
+    def make_room(self) -> None:
+        """Before a new snapshot: drop plain saves still waiting (newest wins) and wait while a persistent one waits.
+
+        At most one save is written and one waits at any time, which bounds the memory snapshots take.
+        """
+        with self._condition:
+            dropped = [job.name for job, _ in self._pending if not job.persistent]
+            self._pending = deque(item for item in self._pending if item[0].persistent)
+            if dropped:
+                logger.info("checkpoint %s superseded by a newer save before it was written", ", ".join(dropped))
+            while self._pending:
+                self._condition.wait()
+
+    def submit(self, job: SaveJob, snapshot: Snapshot) -> None:
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("the checkpoint writer is closed")
+            self._pending.append((job, snapshot))
+            self._snapshots.append(snapshot)
+            self._condition.notify_all()
+
+    def wait_for_snapshots(self) -> None:
+        """Block until every snapshot handed over has its copies; called before the optimizer mutates parameters."""
+        with self._condition:
+            snapshots, self._snapshots = self._snapshots, []
+        for snapshot in snapshots:
+            snapshot.wait()
+
+    def drain(self) -> None:
+        """Wait until everything queued is written (or has failed)."""
+        with self._condition:
+            while self._pending or self._in_flight is not None:
+                self._condition.wait()
+
+    def take_outcomes(self) -> list[SaveOutcome]:
+        with self._condition:
+            outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    @property
+    def in_flight(self) -> str | None:
+        return self._in_flight
+
+    def close(self) -> None:
+        self.drain()
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+        self._thread.join()
+        if self._writer is not None:
+            self._writer.stop()
+
+    # ---- the writer thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._pending and not self._closed:
+                    self._condition.wait()
+                if not self._pending:
+                    return
+                job, snapshot = self._pending.popleft()
+                self._in_flight = job.name
+                self._condition.notify_all()
+            started = time.perf_counter()
+            error = None
+            try:
+                snapshot.wait()
+                job.replicated, job.local = snapshot.replicated, snapshot.local
+                if self.mode == "thread":
+                    self.manager.commit_job(job)
+                else:
+                    if self._writer is None:
+                        self._writer = _WriterProcess(self.manager)
+                    self._writer.commit(job)
+            except BaseException as failure:  # kept and reported on the loop's next save
+                error = f"{type(failure).__name__}: {failure}"
+            outcome = SaveOutcome(job.name, str(job.meta.get("reason")), time.perf_counter() - started, error)
+            with self._condition:
+                self._outcomes.append(outcome)
+                self._in_flight = None
+                self._condition.notify_all()
+
+
+class _WriterProcess:
+    """A spawned process that commits jobs; it dies with its parent so it can never publish after a kill."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        _raise_open_file_limit()
+        context = torch_mp.get_context("spawn")
+        self.jobs = context.Queue()
+        self.results = context.Queue()
+        self.process = context.Process(
+            target=_writer_main,
+            args=(manager, self.jobs, self.results, os.getpid()),
+            name="perdure-checkpoint-writer",
+            daemon=True,
+        )
+        self.process.start()
+
+    def commit(self, job: SaveJob) -> None:
+        self.jobs.put(job)
+        while True:
+            try:
+                name, error = self.results.get(timeout=1.0)
+                break
+            except Exception:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the checkpoint writer process died (exit {self.process.exitcode})") from None
+        if error is not None:
+            raise RuntimeError(error)
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def _writer_main(manager: CheckpointManager, jobs: Any, results: Any, parent: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:
+        return
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            manager.commit_job(job)
+            results.put((job.name, None))
+        except BaseException as failure:
+            results.put((job.name, f"{type(failure).__name__}: {failure}"))
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies (PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def _raise_open_file_limit() -> None:
+    # Each shared-memory tensor sent to the writer process travels as a file descriptor.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

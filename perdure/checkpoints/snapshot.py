@@ -1,0 +1,121 @@
+"""Snapshots: a copy of a checkpoint's state that training may run on past while it is written.
+
+Tensors that only the optimizer step changes (parameters, optimizer state, EMA shadows) are copied in a background
+thread while the next forward / backward run; the runner waits for that copy only before the optimizer mutates them.
+Every other tensor (buffers such as BatchNorm statistics change in the forward) and all plain data are copied at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return (tensor.device.type, tensor.untyped_storage().data_ptr())
+
+
+class Snapshot:
+    """Copies of `replicated` and `local` state trees; `wait()` returns once every tensor is copied."""
+
+    def __init__(
+        self,
+        replicated: dict[str, Any],
+        local: dict[str, Any],
+        *,
+        deferred: Iterable[torch.Tensor] = (),
+        shared_memory: bool = False,
+    ) -> None:
+        self._deferred_keys = {storage_key(t) for t in deferred}
+        self._shared = shared_memory
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.nbytes = 0
+        self.replicated = self._copy_tree(replicated)
+        self.local = self._copy_tree(local)
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        if self._pending:
+            threading.Thread(target=self._copy_pending, name="perdure-snapshot", daemon=True).start()
+        else:
+            self._done.set()
+
+    def wait(self) -> None:
+        """Block until every tensor is copied; re-raise a copy failure."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _copy_tree(self, tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):
+            return self._copy_tensor(tree)
+        if isinstance(tree, dict):
+            return {key: self._copy_tree(value) for key, value in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            copied = [self._copy_tree(value) for value in tree]
+            return copied if isinstance(tree, list) else tuple(copied)
+        return copy.deepcopy(tree)
+
+    def _copy_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        target = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=False)
+        if self._shared:
+            target.share_memory_()
+        self.nbytes += tensor.numel() * tensor.element_size()
+        if storage_key(tensor) in self._deferred_keys:
+            self._pending.append((target, tensor))
+        else:
+            target.copy_(tensor)
+        return target
+
+    def _copy_pending(self) -> None:
+        try:
+            for target, source in self._pending:
+                target.copy_(source, non_blocking=source.device.type == "cuda")
+            if any(source.device.type == "cuda" for _, source in self._pending):
+                torch.cuda.synchronize()
+        except BaseException as error:  # reported to the thread that waits
+            self._error = error
+        finally:
+            self._pending.clear()
+            self._done.set()
+
+
+def snapshot_nbytes(trees: Iterable[Any]) -> int:
+    """Bytes of every tensor in some state trees (what a snapshot of them would allocate)."""
+    total = 0
+    stack = list(trees)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def available_memory() -> int:
+    """Bytes this process can still allocate: MemAvailable, capped by a cgroup v2 limit when one is set."""
+    available = None
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    limit_path, usage_path = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
+    if limit_path.exists() and usage_path.exists():
+        limit = limit_path.read_text().strip()
+        if limit != "max":
+            headroom = int(limit) - int(usage_path.read_text())
+            available = headroom if available is None else min(available, headroom)
+    return available if available is not None else 0
