@@ -109,6 +109,16 @@ def test_own_checkpoint_wins_over_explicit_sources(tmp_path, caplog):
     assert runner.restore_source.kind == "resume"
 
 
+def test_a_live_runner_holds_its_run_dir(tmp_path):
+    from perdure.resilience.run_lock import RunLockedError
+
+    first = ResumableRunner(make_config(tmp_path))
+    with pytest.raises(RunLockedError, match="in use by pid"):
+        ResumableRunner(make_config(tmp_path))
+    first.close()
+    ResumableRunner(make_config(tmp_path)).close()
+
+
 def test_from_checkpoint_rebuilds_config_and_state(tmp_path):
     trained = train(tmp_path, **{"optim.lr": 0.003})
     for path in (run_dir(tmp_path), run_dir(tmp_path) / "checkpoints", run_dir(tmp_path) / "checkpoints" / "latest"):
@@ -117,6 +127,7 @@ def test_from_checkpoint_rebuilds_config_and_state(tmp_path):
         assert rebuilt.config.optim.lr == 0.003
         assert rebuilt.global_step == trained.global_step
         assert_same_weights(rebuilt.model.state_dict(), trained.model.state_dict())
+        rebuilt.close()
 
 
 def test_from_pretrained_loads_weights_only(tmp_path):

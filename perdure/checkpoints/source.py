@@ -54,7 +54,7 @@ def choose_restore_source(
                 f"it. Drop --resume false to continue that run, or set --workspace.id NEW_ID to start a separate run."
             )
         for key, value in (("checkpoint", checkpoint), ("pretrained", pretrained)):
-            if value:
+            if value and not Path(value).resolve().is_relative_to(run_dir.resolve()):
                 logger.warning(
                     "ignoring %s=%s: run %s already has checkpoints and continues from %s. To branch a new run from "
                     "%s instead, give it another identity: --workspace.id NEW_ID (or --workspace.lineage NAME).",

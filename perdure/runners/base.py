@@ -36,6 +36,7 @@ from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
 from perdure.errors import CheckpointError, CheckpointSaveError, PerdureError
 from perdure.loggers.console import EarlyRecords, attach_log_file, get_logger
+from perdure.resilience.run_lock import RunLock
 from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.export import export_weights, read_weights
@@ -89,8 +90,13 @@ class BaseRunner(metaclass=RunnerMeta):
 
         early_records = EarlyRecords()  # what is logged before the log file exists still reaches it
         self.logger.addHandler(early_records)
+        self.run_dir = resolve_run_dir(config, type(self).__name__)
+        # One live process per run dir. Taken before the resolve (which quarantines leftover staging directories,
+        # a live run's saves in progress); a run dir that does not exist yet is locked right after it is created.
+        self.run_lock = RunLock(self.run_dir.path)
         try:
-            self.run_dir = resolve_run_dir(config, type(self).__name__)
+            if self.is_main_process and self.run_dir.path.exists():
+                self.run_lock.acquire()
             self.checkpoints = self.checkpoint_manager_class(
                 self.run_dir.checkpoints,
                 CheckpointPolicy.from_config(config.ckpt),
@@ -108,13 +114,18 @@ class BaseRunner(metaclass=RunnerMeta):
             )
             if self.restore_source.info is not None:
                 self._check_same_config(self.restore_source.info)
+            self.attempt_started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+            if self.is_main_process:
+                self.run_dir.create()
+                if not self.run_lock.held:
+                    self.run_lock.acquire()
+                self._log_file = attach_log_file(self.run_dir.logs / f"{self.attempt_started}.log")
+                early_records.replay_into(self._log_file)
+        except BaseException:
+            self.run_lock.release()
+            raise
         finally:
             self.logger.removeHandler(early_records)
-        self.attempt_started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        if self.is_main_process:
-            self.run_dir.create()
-            self._log_file = attach_log_file(self.run_dir.logs / f"{self.attempt_started}.log")
-            early_records.replay_into(self._log_file)
         self._saved_position: tuple[int, int, int] | None = None
         self._losses: list[torch.Tensor] = []
         self._clock = time.perf_counter()
@@ -235,12 +246,26 @@ class BaseRunner(metaclass=RunnerMeta):
     # ---- the training lifecycle --------------------------------------------------------------------------------
 
     def train(self) -> dict[str, dict[str, dict[str, float]]]:
-        """Train until the budget is reached, then save, export and return every evaluation's results."""
-        if self.config.training_mode() == "epochs":
-            self.train_epochs()
-        else:
-            self.train_steps()
+        """Train until the budget is reached, then save, export and return every evaluation's results.
+
+        Whatever happens, saves in flight are drained and the run dir is released before it returns or raises.
+        """
+        try:
+            if self.config.training_mode() == "epochs":
+                self.train_epochs()
+            else:
+                self.train_steps()
+        finally:
+            self.close()
         return self.state.results
+
+    def close(self) -> None:
+        """Drain background saves and release the run dir. `train()` calls it; call it yourself only for a runner
+        you built without training it (e.g. with `from_checkpoint` to evaluate) once you are done with it."""
+        try:
+            self._report_saves(self.checkpoints.close())
+        finally:
+            self.run_lock.release()
 
     def train_steps(self) -> None:
         """Train until `global_step` reaches `config.steps` (epochs roll over as the data runs out)."""

@@ -4,10 +4,17 @@ Environment knobs (tests only):
   LOSS_LOG      append one JSON line per micro-batch: position and the loss as an exact float hex
   STEP_SLEEP    seconds to sleep per micro-batch, so an outside SIGKILL lands mid-run
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (a deterministic hard death)
+  FAULT         POINT:N — inject a fault at the N-th pass through a point of the checkpoint code:
+                  pointer  SIGKILL just before `latest` moves (the checkpoint directory is already committed)
+                  prune    SIGKILL in the middle of pruning (a directory renamed aside, not yet deleted)
+                  write    SIGKILL half-way through writing a checkpoint file (in the background writer if async)
+                  enospc   the write fails with ENOSPC (a full disk) after writing part of the file
 """
 
+import errno
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -25,6 +32,7 @@ class Config(RunnerConfig):
         self.dataloader.batch_size = 8
         self.dataset_size = 100
         self.width = 32
+        self.depth = 0
         self.dropout = 0.2
 
 
@@ -46,8 +54,9 @@ class Synthetic(Dataset):
 class ResumableRunner(Runner):
     def __init__(self, config):
         super().__init__(config)
+        hidden = [layer for _ in range(config.depth) for layer in (nn.Linear(config.width, config.width), nn.ReLU())]
         self.model = nn.Sequential(
-            nn.Linear(16, config.width), nn.ReLU(), nn.Dropout(config.dropout), nn.Linear(config.width, 2)
+            nn.Linear(16, config.width), nn.ReLU(), *hidden, nn.Dropout(config.dropout), nn.Linear(config.width, 2)
         )
         self.criterion = nn.CrossEntropyLoss()
         self.datasets["train"] = Synthetic(config.dataset_size, seed=1)
@@ -74,5 +83,56 @@ class ResumableRunner(Runner):
         return loss
 
 
+def install_fault(spec: str) -> None:
+    import perdure.checkpoints.base as manager_module
+    import perdure.checkpoints.file as file_module
+
+    point, nth = spec.split(":")
+    calls = {"count": 0}
+
+    def due() -> bool:
+        calls["count"] += 1
+        return calls["count"] == int(nth)
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "pointer":
+        write_pointer = manager_module.write_pointer
+
+        def killing_write_pointer(root, pointer, target):
+            if pointer == "latest" and due():
+                die()
+            return write_pointer(root, pointer, target)
+
+        manager_module.write_pointer = killing_write_pointer
+    elif point == "prune":
+        rmtree = shutil.rmtree
+
+        def killing_rmtree(path, *args, **kwargs):
+            if os.path.basename(path).startswith(manager_module.PRUNE_PREFIX) and due():
+                die()
+            return rmtree(path, *args, **kwargs)
+
+        shutil.rmtree = killing_rmtree
+    elif point in ("write", "enospc"):
+        write_file = file_module.write_file
+
+        def failing_write_file(path, write):
+            if not due():
+                return write_file(path, write)
+            with open(path, "xb") as partial:
+                partial.write(b"\0" * 4096)
+            if point == "write":
+                die()
+            raise OSError(errno.ENOSPC, "No space left on device (injected by the test)", str(path))
+
+        file_module.write_file = failing_write_file
+    else:
+        raise ValueError(f"unknown fault point {point!r}")
+
+
 if __name__ == "__main__":
+    if os.environ.get("FAULT"):
+        install_fault(os.environ["FAULT"])
     ResumableRunner(Config().parse()).train()

@@ -1,0 +1,460 @@
+"""`perdure ckpt`: list, verify, export and prune the checkpoints of a run.
+
+    perdure ckpt ls RUN                       every committed checkpoint, newest first, with its verification
+    perdure ckpt verify RUN|CKPT              exit 1 if any checkpoint or pointer fails; says which file and how
+    perdure ckpt export CKPT OUT.pth|OUT.safetensors [--dtype bf16] [--ema]
+    perdure ckpt prune RUN --keep K [--dry-run]
+
+RUN is a run directory or its `checkpoints/` directory. Only `prune` writes, and only while it holds the run's lock
+(`perdure.resilience.run_lock`), so it never races a live run's saves. `ls`, `verify` and `export` never write into a
+run: they do not quarantine or repair anything (the next start of the run does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perdure.checkpoints.base import PRUNE_PREFIX
+from perdure.checkpoints.commit import (
+    CHECKPOINT_PATTERN,
+    MANIFEST_NAME,
+    POINTERS,
+    QUARANTINE_DIR,
+    STAGING_PREFIX,
+    fsync_dir,
+    read_manifest,
+    read_pointer,
+    verify_checkpoint,
+)
+from perdure.checkpoints.file import REPLICATED_FILE
+from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
+from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
+from perdure.resilience.run_lock import RunLock
+from perdure.runners.export import EXPORT_DTYPES, export_weights, read_weights
+
+EXPORT_SUFFIXES = (".pth", ".safetensors")
+RUN_DIR_MARKERS = ("checkpoints", "metadata", "run.lock")  # what a run dir holds (checkpoints/ may not exist yet)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `perdure ckpt` and its subcommands; each sets `handler(args) -> exit code`."""
+    parser = subparsers.add_parser(
+        "ckpt",
+        help="list, verify, export and prune checkpoints",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="ckpt_command", required=True)
+
+    ls = commands.add_parser("ls", help="list a run's checkpoints, newest first")
+    ls.add_argument("run", type=Path, help="run dir or its checkpoints dir")
+    ls.add_argument("--quick", action="store_true", help="verify sizes only (skip re-hashing every file)")
+    ls.set_defaults(handler=cmd_ls)
+
+    verify = commands.add_parser("verify", help="verify one checkpoint, or every checkpoint and pointer of a run")
+    verify.add_argument("path", type=Path, help="checkpoint dir, run dir or checkpoints dir")
+    verify.add_argument("--quick", action="store_true", help="verify sizes only (skip re-hashing every file)")
+    verify.set_defaults(handler=cmd_verify)
+
+    export = commands.add_parser("export", help="write model (or EMA) weights only, as .pth or .safetensors")
+    export.add_argument("checkpoint", type=Path, help="checkpoint dir, or a run / checkpoints dir (its latest)")
+    export.add_argument("out", type=Path, help="output file, ending in .pth or .safetensors")
+    export.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating-point tensors")
+    export.add_argument("--ema", action="store_true", help="export the EMA weights instead of the model's")
+    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    export.set_defaults(handler=cmd_export)
+
+    prune = commands.add_parser("prune", help="delete all but the newest K checkpoints (never latest or best)")
+    prune.add_argument("run", type=Path, help="run dir or its checkpoints dir")
+    prune.add_argument("--keep", type=int, required=True, metavar="K", help="how many verifying checkpoints to keep")
+    prune.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    prune.add_argument("--quick", action="store_true", help="verify sizes only (skip re-hashing every file)")
+    prune.set_defaults(handler=cmd_prune)
+
+
+# ---- locating checkpoints ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One committed checkpoint directory and what verifying it found."""
+
+    path: Path
+    manifest: dict[str, Any] | None  # also read for a failed one, when it parses; None when it does not
+    error: str | None  # CheckpointCorruptError.reason when it failed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A directory that claims to be one checkpoint: named `ckpt-*`, or holding a manifest (a renamed copy)."""
+    return path.is_dir() and (bool(CHECKPOINT_PATTERN.match(path.name)) or (path / MANIFEST_NAME).exists())
+
+
+def checkpoints_root(path: Path) -> tuple[Path, Path | None]:
+    """(checkpoints dir, run dir or None) for a user-given run dir or checkpoints dir; PerdureError otherwise."""
+    path = path.expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file; give a run dir or its checkpoints/ dir")
+    if is_checkpoint_dir(path):
+        raise CheckpointError(
+            f"{path} is one checkpoint; give its run dir or checkpoints dir ({path.parent}), "
+            "or use `perdure ckpt verify` / `export` on the checkpoint itself"
+        )
+    if any((path / marker).exists() for marker in RUN_DIR_MARKERS):
+        return path / "checkpoints", path
+    names = [p.name for p in path.iterdir()]
+    markers = any(CHECKPOINT_PATTERN.match(n) or n.startswith(STAGING_PREFIX) for n in names)
+    if path.name == "checkpoints" or markers or any(n in (*POINTERS, QUARANTINE_DIR) for n in names):
+        return path, (path.parent if path.name == "checkpoints" else None)
+    raise CheckpointError(
+        f"{path} is not a run: found no checkpoints/ subdir (a run dir), no ckpt-* dirs and no `latest` pointer "
+        "(a checkpoints dir)"
+    )
+
+
+def check(path: Path, *, deep: bool, check_name: bool = True) -> Checked:
+    """Verify one checkpoint dir without raising."""
+    try:
+        return Checked(path, verify_checkpoint(path, deep=deep, check_name=check_name), None)
+    except CheckpointCorruptError as exc:
+        try:
+            manifest = read_manifest(path)  # for display only: step, epoch, created
+        except CheckpointCorruptError:
+            manifest = None
+        return Checked(path, manifest, exc.reason)
+
+
+def check_all(root: Path, *, deep: bool) -> list[Checked]:
+    """Every committed checkpoint in `root`, newest first, verified."""
+    return [check(path, deep=deep) for path in committed_checkpoints(root)]
+
+
+def pointer_targets(root: Path) -> dict[str, str]:
+    """{pointer: what it holds} for the pointers present in `root`."""
+    return {p: value for p in POINTERS if (value := read_pointer(root, p)) is not None}
+
+
+# ---- formatting ----------------------------------------------------------------------------------------------------
+
+
+def human_size(size: float) -> str:
+    """Bytes in binary units: 512 B, 1.5 KiB, 3.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def tree_size(path: Path) -> int:
+    """Bytes in the regular files under `path` (symlinks not followed)."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for directory, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(directory, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def local_time(created: object) -> str:
+    """The manifest's ISO `created` time in the local timezone, to the second ('-' if absent or unparsable)."""
+    try:
+        return datetime.fromisoformat(str(created)).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return "-"
+
+
+def table(rows: list[list[str]], right: frozenset[int] = frozenset()) -> str:
+    """Left-aligned columns (right-aligned where listed), two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _position(checked: Checked) -> tuple[str, str]:
+    """(step, epoch) as text, from the manifest, else from the directory name."""
+    manifest = checked.manifest or {}
+    match = CHECKPOINT_PATTERN.match(checked.name)
+    step = manifest.get("global_step", int(match["step"]) if match and match["step"] else None)
+    epoch = manifest.get("epoch", int(match["epoch"]) if match and match["epoch"] else None)
+    return ("-" if step is None else str(step)), ("-" if epoch is None else str(epoch))
+
+
+def _quarantine_reason(entry: Path) -> str:
+    """The `reason:` line of a quarantined entry's REASON.txt (else its first line), or '' if there is none."""
+    note = entry / "REASON.txt" if entry.is_dir() else entry.with_name(entry.name + ".REASON.txt")
+    try:
+        lines = [line.strip() for line in note.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    reasons = [line.removeprefix("reason:").strip() for line in lines if line.startswith("reason:")]
+    return (reasons or lines or [""])[0]
+
+
+# ---- ls ------------------------------------------------------------------------------------------------------------
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Print a table of the run's committed checkpoints, then quarantined entries and leftover staging dirs."""
+    root, _ = checkpoints_root(args.run)
+    checked = check_all(root, deep=not args.quick)
+    pointers = pointer_targets(root)
+    print(f"checkpoints in {root}")
+    if checked:
+        rows = [["NAME", "STEP", "EPOCH", "CREATED", "SIZE", "VERIFIED", "POINTERS"]]
+        for item in checked:
+            step, epoch = _position(item)
+            verified = "FAILED" if not item.ok else "sizes ok" if args.quick else "ok"
+            marks = ",".join(p for p, target in pointers.items() if target == item.name)
+            created = local_time((item.manifest or {}).get("created"))
+            rows.append([item.name, step, epoch, created, human_size(tree_size(item.path)), verified, marks or "-"])
+        print(table(rows, right=frozenset({1, 2, 4})))
+        for item in checked:
+            if not item.ok:
+                print(f"  {item.name} FAILED: {item.error}")
+    else:
+        print("  no committed checkpoints")
+    names = {item.name for item in checked}
+    for pointer, target in pointers.items():
+        if target not in names:
+            print(f"pointer {pointer} names {target[:200]!r}, which is not a committed checkpoint here")
+
+    quarantine = root / QUARANTINE_DIR
+    entries = (
+        sorted(p for p in quarantine.iterdir() if not p.name.endswith(".REASON.txt")) if quarantine.is_dir() else []
+    )
+    if entries:
+        print(f"quarantined ({quarantine}; perdure never deletes these):")
+        print(table([[f"  {p.name}", human_size(tree_size(p)), _quarantine_reason(p) or "-"] for p in entries]))
+    others = sorted(root.iterdir()) if root.is_dir() else []
+    staging = [p for p in others if p.name.startswith(STAGING_PREFIX)]
+    if staging:
+        print("staging dirs (a save in flight if the run is live, else an interrupted one the next start quarantines):")
+        print(table([[f"  {p.name}", human_size(tree_size(p))] for p in staging]))
+    leftovers = [p for p in others if p.name.startswith(PRUNE_PREFIX)]
+    if leftovers:
+        print("leftovers of an interrupted prune (removed by the next prune):")
+        print(table([[f"  {p.name}", human_size(tree_size(p))] for p in leftovers]))
+    return 0
+
+
+# ---- verify --------------------------------------------------------------------------------------------------------
+
+
+def _ok_line(item: Checked, deep: bool) -> str:
+    files = (item.manifest or {}).get("files", {})
+    size = sum(entry["size"] for entry in files.values())
+    how = "checksums" if deep else "sizes only"
+    return f"OK      {item.path}  ({len(files)} files, {human_size(size)}, {how})"
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Verify one checkpoint, or every checkpoint and pointer of a run; 1 if anything fails."""
+    path, deep = args.path.expanduser(), not args.quick
+    if is_checkpoint_dir(path):
+        item = check(path, deep=deep, check_name=bool(CHECKPOINT_PATTERN.match(path.name)))
+        print(_ok_line(item, deep) if item.ok else f"FAILED  {item.path}: {item.error}")
+        return 0 if item.ok else 1
+
+    root, _ = checkpoints_root(path)
+    checked = check_all(root, deep=deep)
+    failures = 0
+    for item in checked:
+        print(_ok_line(item, deep) if item.ok else f"FAILED  {item.path}: {item.error}")
+        failures += not item.ok
+    if not checked:
+        print(f"FAILED  {root}: no committed checkpoint")
+        failures += 1
+
+    by_name = {item.name: item for item in checked}
+    newest_ok = next((item.name for item in checked if item.ok), None)
+    pointers = pointer_targets(root)
+    if "latest" not in pointers and checked:
+        print(f"WARNING latest: missing; the next start points it at the newest checkpoint that verifies ({newest_ok})")
+    for pointer, target in pointers.items():
+        problem = None
+        if not CHECKPOINT_PATTERN.match(target):
+            problem = f"holds {target[:200]!r}, which is not a checkpoint name"
+        elif target not in by_name:
+            problem = f"names {target}, which does not exist"
+        elif not by_name[target].ok:
+            problem = f"names {target}, which does not verify"
+        if problem:
+            print(f"FAILED  {root / pointer}: {problem}")
+            failures += 1
+        else:
+            print(f"OK      {pointer} -> {target}")
+            if pointer == "latest" and newest_ok and newest_ok != target:
+                print(f"NOTE    latest names {target} but {newest_ok} is newer and verifies; a resume uses {newest_ok}")
+    if failures:
+        print(f"{failures} failure(s) in {root}")
+    return 1 if failures else 0
+
+
+# ---- export --------------------------------------------------------------------------------------------------------
+
+
+def _cast(weights: dict[str, Any], dtype: str | None) -> dict[str, torch.Tensor]:
+    target = EXPORT_DTYPES[dtype] if dtype else None
+    out = {}
+    for name, tensor in weights.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(
+                f"weight {name!r} is a {type(tensor).__name__}, not a tensor; safetensors holds tensors"
+            )
+        tensor = tensor.detach().cpu()
+        out[name] = tensor.to(target) if target is not None and tensor.is_floating_point() else tensor
+    return out
+
+
+def save_safetensors(weights: dict[str, Any], path: Path, dtype: str | None, metadata: dict[str, str]) -> Path:
+    """Atomically write `weights` as safetensors: cast, contiguous, shared storage cloned, fsynced."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise PerdureError(
+            f"writing {path.name} needs the safetensors package: pip install safetensors (or export to .pth)"
+        ) from None
+    tensors, seen = {}, set()
+    for name, tensor in _cast(weights, dtype).items():
+        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        tensor = tensor.clone() if storage is not None and storage in seen else tensor.contiguous()
+        seen.add(storage)
+        tensors[name] = tensor
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(temporary), metadata=metadata)
+        fd = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
+    """(weights, description of where they came from) for a checkpoint / checkpoints / run dir or a weights file."""
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if path.is_file():
+        if ema:
+            raise CheckpointError(f"{path} is a weights file; --ema needs a checkpoint (it holds both weight sets)")
+        return read_weights(path), str(path)
+    info: CheckpointInfo = resolve_path(path)
+    if not (info.path / REPLICATED_FILE).is_file():
+        backend = info.manifest.get("backend", "unknown")
+        raise CheckpointError(
+            f"checkpoint {info.path} (backend {backend}) has no {REPLICATED_FILE}; export reads file-backend "
+            "checkpoints"
+        )
+    where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
+    return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})" if where else str(info.path)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write model (or EMA) weights of a checkpoint to OUT (.pth or .safetensors), optionally cast."""
+    out: Path = args.out.expanduser()
+    if out.suffix not in EXPORT_SUFFIXES:
+        raise PerdureError(f"output {out} must end in {' or '.join(EXPORT_SUFFIXES)}")
+    if out.exists() and not args.force:
+        raise PerdureError(f"{out} exists; pass --force to replace it")
+    if out.is_dir():
+        raise PerdureError(f"{out} is a directory; give a file name ending in {' or '.join(EXPORT_SUFFIXES)}")
+    weights, source = _source_weights(args.checkpoint.expanduser(), args.ema)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        save_safetensors(weights, out, args.dtype, {"format": "pt", "source": source})
+    else:
+        export_weights(weights, out, args.dtype)
+    count = sum(t.numel() for t in weights.values() if isinstance(t, torch.Tensor))
+    what = "EMA weights" if args.ema else "model weights"
+    cast = f" as {args.dtype}" if args.dtype else ""
+    print(
+        f"exported {what} of {source}{cast} to {out}: {len(weights)} tensors, {count:,} values, "
+        f"{human_size(out.stat().st_size)}"
+    )
+    return 0
+
+
+# ---- prune ---------------------------------------------------------------------------------------------------------
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """Keep the newest K checkpoints that verify, plus the latest / best targets; remove the other verifying ones.
+
+    A checkpoint that fails verification is never removed (the next start quarantines it, keeping it for inspection).
+    Under a run dir the run lock is taken first: pruning beside a live run could race its saves.
+    """
+    if args.keep < 1:
+        raise PerdureError(f"--keep {args.keep}: keep at least 1 checkpoint")
+    root, run_dir = checkpoints_root(args.run)
+    if args.dry_run or run_dir is None:
+        return _prune(root, args.keep, deep=not args.quick, dry_run=args.dry_run)
+    try:
+        with RunLock(run_dir):
+            return _prune(root, args.keep, deep=not args.quick, dry_run=False)
+    except OSError as exc:
+        raise PerdureError(f"prune of {root} failed: {exc}") from exc
+
+
+def _prune(root: Path, keep: int, *, deep: bool, dry_run: bool) -> int:
+    if not root.is_dir():
+        print(f"no checkpoints in {root}: nothing to prune")
+        return 0
+    verb = "would remove" if dry_run else "removed"
+    for leftover in sorted(root.glob(PRUNE_PREFIX + "*")):
+        if not dry_run:
+            shutil.rmtree(leftover)
+        print(f"{verb} {leftover.name} (left by an interrupted prune)")
+    checked = check_all(root, deep=deep)
+    good = [item for item in checked if item.ok]
+    protected = set(pointer_targets(root).values())
+    for item in checked:
+        if not item.ok:
+            print(f"left {item.name}: it fails verification ({item.error}); the next start of the run quarantines it")
+    kept = [item.name for item in good[:keep]] + [i.name for i in good[keep:] if i.name in protected]
+    freed = 0
+    for item in good[keep:]:
+        if item.name in protected:
+            continue
+        size = tree_size(item.path)
+        if not dry_run:
+            aside = root / f"{PRUNE_PREFIX}{item.name}"
+            os.rename(item.path, aside)  # a kill mid-delete leaves a .prune-* dir, never half a checkpoint
+            fsync_dir(root)
+            shutil.rmtree(aside)
+        freed += size
+        print(f"{verb} {item.name} ({human_size(size)})")
+    if not dry_run:
+        fsync_dir(root)
+    print(f"kept {len(kept)}: {', '.join(kept) or '-'}; {'would free' if dry_run else 'freed'} {human_size(freed)}")
+    return 0

@@ -1,0 +1,238 @@
+"""The run lock: two live processes never write one run directory.
+
+`RunLock(run_dir).acquire()` takes a non-blocking exclusive `flock` on `<run_dir>/run.lock`. The flock *is* the lock;
+the JSON written into the file (pid, host, start time, argv) only says who holds it, so that a second launch fails at
+once with a message naming the first. The kernel drops a flock when the last descriptor of its open file description
+is closed, which happens when the holder exits for any reason, `kill -9` included: a lock left by a dead process never
+blocks, and there is nothing stale to clean up. For the same reason the file is never deleted: a process that
+deleted it while another waited could leave two processes each holding a lock on a different inode.
+
+Descriptor inheritance. The descriptor is close-on-exec (Python's default), so programs started with `subprocess`
+never hold the lock. A *forked* child (DataLoader workers with the `fork` start method, `os.fork`) would inherit it,
+and the lock would then stay held for as long as that child lives, even after the parent died. To keep "the lock
+lives exactly as long as the process that took it", an `os.register_at_fork` hook closes the inherited descriptor in
+every child forked through Python (closing, never unlocking: `LOCK_UN` in the child would release the parent's
+lock). A child forked outside Python's `os.fork` (C code calling fork() directly) keeps the descriptor until it exits;
+such children die with their parent in practice (DataLoader workers watch their parent).
+
+Filesystems. flock is exact on local filesystems. On NFS (Linux >= 2.6.12) flock is emulated with byte-range locks,
+which do conflict across hosts but not between two descriptors of one process; the in-process registry below makes a
+second `RunLock` of the same file in the same process fail on every filesystem. Lustre needs the `flock` mount option;
+without it flock raises ENOSYS/EINVAL, reported here as a `PerdureError` that says so.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from perdure.errors import PerdureError
+
+LOCK_NAME = "run.lock"
+_READ_RETRIES = 10  # the holder truncates then writes its info: wait up to ~0.1 s for it to appear
+_READ_RETRY_DELAY = 0.01
+_RETRY_DELAY = 0.2  # between attempts of acquire(timeout=...)
+
+# Locks held by this process, keyed by (st_dev, st_ino) of the lock file. Guards against a second RunLock of the same
+# file in this process where flock alone would not (NFS), and lets the fork hook find every descriptor to close.
+_HELD: dict[tuple[int, int], RunLock] = {}
+_HELD_GUARD = threading.Lock()
+
+
+class RunLockedError(PerdureError):
+    """Another live process holds the lock of this run directory. `holder` is what it wrote (may be empty)."""
+
+    def __init__(self, run_dir: Path, holder: dict[str, Any]):
+        self.run_dir, self.holder = Path(run_dir), dict(holder)
+        self.pid: int | None = holder.get("pid")
+        self.host: str | None = holder.get("host")
+        super().__init__(_locked_message(self.run_dir, self.holder))
+
+
+def _locked_message(run_dir: Path, holder: dict[str, Any]) -> str:
+    why = "a lock left by a process that has died never blocks, so this one is alive"
+    other = "to start a separate run beside it, give it another --workspace.id"
+    if "pid" not in holder:
+        who = "another process (it has not written its pid yet)"
+        return f"run {run_dir} is in use by {who}; wait for it to end or stop it ({why}); {other}."
+    pid, host = holder["pid"], holder.get("host", "<unknown host>")
+    since = holder.get("started", "<unknown time>")
+    argv = str(holder.get("argv") or "")
+    argv = argv if len(argv) <= 200 else argv[:197] + "..."
+    return (
+        f"run {run_dir} is in use by pid {pid} on {host} since {since} ({argv}); wait for it to end or stop it "
+        f"(`kill {pid}` on {host}; {why}); {other}."
+    )
+
+
+class RunLock:
+    """Exclusive, non-blocking lock of one run directory; see the module docstring for the guarantees.
+
+    Use as `with RunLock(run_dir): ...` or `acquire()` / `release()`. Not re-entrant: acquiring a held lock, or a
+    second `RunLock` of the same directory in this process, raises `RunLockedError` like any other holder would.
+    """
+
+    def __init__(self, run_dir: Path, name: str = LOCK_NAME) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / name
+        self._fd: int | None = None
+        self._key: tuple[int, int] | None = None
+        self._info: dict[str, Any] = {}  # what this object wrote while it holds the lock
+
+    @property
+    def held(self) -> bool:
+        """True while this object holds the lock (False in a forked child, which never holds it)."""
+        return self._fd is not None
+
+    def acquire(self, timeout: float = 0.0) -> None:
+        """Take the lock or raise `RunLockedError` naming the holder; creates the run dir if needed.
+
+        Non-blocking by default (fails at once). A positive `timeout` retries for that many seconds first, e.g. where
+        a network filesystem keeps a crashed host's lock until its lease expires.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._try_acquire()
+                return
+            except RunLockedError:
+                if (left := deadline - time.monotonic()) <= 0:
+                    raise
+                time.sleep(min(_RETRY_DELAY, left))
+
+    def release(self) -> None:
+        """Drop the lock (idempotent). The file stays; its content is cleared so nobody reads a finished holder."""
+        fd, key = self._fd, self._key
+        if fd is None:
+            return
+        self._fd = self._key = None
+        with _HELD_GUARD:
+            if key is not None and _HELD.get(key) is self:
+                del _HELD[key]
+        try:
+            try:
+                os.ftruncate(fd, 0)  # still under the lock: never clears a later holder's info
+            except OSError:
+                pass
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def holder(self) -> dict[str, Any]:
+        """What the current holder wrote into the lock file ({} if nothing readable). Informational only."""
+        return read_holder(self.path)
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"RunLock({str(self.run_dir)!r}, held={self.held})"
+
+    def _try_acquire(self) -> None:
+        if self._fd is not None:
+            raise RunLockedError(self.run_dir, self._info)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            stat = os.fstat(fd)
+            key = (stat.st_dev, stat.st_ino)
+            with _HELD_GUARD:
+                if (other := _HELD.get(key)) is not None:
+                    raise RunLockedError(self.run_dir, other._info)
+                _flock_or_raise(fd, self.run_dir, self.path)
+                self._info = _own_info()
+                _HELD[key] = self
+            self._fd, self._key = fd, key
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            _write_info(fd, self._info)
+        except BaseException:
+            self.release()
+            raise
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: close the inherited descriptor without unlocking (the parent still holds it)."""
+        fd, self._fd, self._key = self._fd, None, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def read_holder(path: Path) -> dict[str, Any]:
+    """Parse the holder info in a lock file; {} if it is missing, empty or not JSON (e.g. being rewritten)."""
+    for attempt in range(_READ_RETRIES):
+        try:
+            info = json.loads(Path(path).read_bytes())
+        except (OSError, ValueError):
+            info = None
+        if isinstance(info, dict) and "pid" in info:
+            return info
+        if attempt + 1 < _READ_RETRIES:
+            time.sleep(_READ_RETRY_DELAY)
+    return {}
+
+
+def _own_info() -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "argv": shlex.join(sys.argv) if sys.argv else sys.executable,
+    }
+
+
+def _flock_or_raise(fd: int, run_dir: Path, path: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunLockedError(run_dir, read_holder(path)) from None
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise RunLockedError(run_dir, read_holder(path)) from None
+        raise PerdureError(
+            f"cannot lock {path}: {exc}. The filesystem of the run dir does not support flock (on Lustre, mount with "
+            "-o flock); put the workspace (--workspace.root) on a filesystem that does."
+        ) from exc
+
+
+def _write_info(fd: int, info: dict[str, Any]) -> None:
+    data = (json.dumps(info) + "\n").encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+def _after_fork_in_child() -> None:
+    # Only the forking thread survives a fork, so _HELD_GUARD may be held by a thread that no longer exists: do not
+    # take it; replace it. The GIL was held across the fork, so the dict is not mid-update.
+    global _HELD_GUARD
+    _HELD_GUARD = threading.Lock()
+    held = list(_HELD.values())
+    _HELD.clear()
+    for lock in held:
+        lock._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
