@@ -84,6 +84,7 @@ class BaseRunner(metaclass=RunnerMeta):
         self.dataloaders: dict[str, ResumableLoader] = {}
         self.is_best = False
         self.save_failures: list[str] = []
+        self._ending = False
         self.preemption = PreemptionHandler()
         self.rank, self.world_size = self.init_distributed()
         seed_everything(config.seed)
@@ -403,6 +404,7 @@ class BaseRunner(metaclass=RunnerMeta):
 
     def _finish(self) -> None:
         """Training is over (budget or early stop): final checkpoint, drain, export."""
+        self._ending = True
         self.save_checkpoint("final")
         self._report_saves(self.checkpoints.close())
         if self.config.ckpt.enabled and self.is_main_process:
@@ -414,6 +416,7 @@ class BaseRunner(metaclass=RunnerMeta):
     def _stop_for_preemption(self) -> None:
         """A signal asked to stop: save this step, drain the writer, exit with 128 + signal (or the configured code)."""
         signum = self.preemption.received
+        self._ending = True
         self.logger.warning(
             "received %s: checkpointing step %d and exiting", signal.Signals(signum).name, self.state.global_step
         )
@@ -569,8 +572,7 @@ class BaseRunner(metaclass=RunnerMeta):
         position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
         if position == self._saved_position or self.state.global_step == 0:
             return None
-        at_epoch_end = self.config.training_mode() == "epochs" and self.state.batch_in_epoch == 0
-        name = checkpoint_name(epoch=self.state.epoch) if at_epoch_end else checkpoint_name(step=position[0])
+        name = self._position_name()
         meta = {
             "global_step": self.state.global_step,
             "epoch": self.state.epoch,
@@ -580,7 +582,6 @@ class BaseRunner(metaclass=RunnerMeta):
         }
         is_best = self.state.best_step == self.state.global_step
         started = time.perf_counter()
-        self._saved_position = position
         try:
             path = self.checkpoints.save(
                 name,
@@ -595,10 +596,17 @@ class BaseRunner(metaclass=RunnerMeta):
         except (OSError, CheckpointError) as error:
             self._save_failed(name, reason, f"{type(error).__name__}: {error}")
             return None
+        self._saved_position = position
         if path is not None:
             how = "saved" if self.config.ckpt.async_mode == "disabled" else "snapshotted"
             self.logger.info("%s %s (%s) in %.3fs", how, path.name, reason, time.perf_counter() - started)
         return path
+
+    def _position_name(self) -> str:
+        """The checkpoint name of the current position: `ckpt-e…` at an epoch end in epoch mode, else `ckpt-s…`."""
+        if self.config.training_mode() == "epochs" and self.state.batch_in_epoch == 0:
+            return checkpoint_name(epoch=self.state.epoch)
+        return checkpoint_name(step=self.state.global_step)
 
     def _tensors_changed_by_step(self) -> list[torch.Tensor]:
         """Tensors only the optimizer step (and the EMA update after it) changes: an async save copies them late."""
@@ -624,7 +632,9 @@ class BaseRunner(metaclass=RunnerMeta):
             f"checkpoint {name} ({reason}) failed: {error}. Its partial directory was removed and every committed "
             f"checkpoint is intact (latest: {read_pointer(self.run_dir.checkpoints, 'latest')})."
         )
-        if reason in ("final", "preemption") or self.config.ckpt.on_error == "raise":
+        # The save of the position training ends at is the one a rerun needs: losing it is never just a warning.
+        final = self._ending and name == self._position_name()
+        if final or reason in ("final", "preemption") or self.config.ckpt.on_error == "raise":
             raise CheckpointSaveError(message)
         self.logger.error("%s Training goes on (ckpt.on_error=warn).", message)
 

@@ -1,0 +1,93 @@
+"""A full disk during a save: the partial directory goes, every committed checkpoint stays valid, the failure is
+reported, and training goes on (periodic saves, `ckpt.on_error=warn`) or the exit status says it failed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from perdure.checkpoints.commit import read_pointer, verify_checkpoint
+from perdure.checkpoints.resolve import committed_checkpoints
+from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir
+
+ARGS = ("--steps", "40", "--ckpt.interval", "10")
+# Each save writes state.pth and rank00000.pth through the patched writer: call 3 is the second save's state.pth;
+# from call 7 on the disk stays full, so the save at step 40 and the final retry of it both fail.
+SECOND_SAVE, FINAL_SAVE = "enospc:3", "enospc:7+"
+
+
+def assert_committed_intact(root: Path) -> list[str]:
+    checkpoints = run_dir(root) / "checkpoints"
+    assert not list(checkpoints.glob(".tmp-*")), "the partial directory must be removed"
+    names = [path.name for path in committed_checkpoints(checkpoints)]
+    for name in names:
+        verify_checkpoint(checkpoints / name)
+    verify_checkpoint(checkpoints / read_pointer(checkpoints, "latest"))
+    return names
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    assert_ok(run("resumable.py", root, *ARGS))
+    return root
+
+
+@pytest.mark.parametrize("mode", ["disabled", "thread"])
+def test_failed_periodic_save_warns_and_training_goes_on(reference, tmp_path, mode):
+    result = run("resumable.py", tmp_path, *ARGS, "--ckpt.async_mode", mode, FAULT=SECOND_SAVE)
+    assert_ok(result)
+    assert "ckpt-s000000000020 (interval) failed" in result.stdout
+    assert "No space left on device" in result.stdout
+    assert "every committed checkpoint is intact" in result.stdout
+    names = assert_committed_intact(tmp_path)
+    assert "ckpt-s000000000020" not in names and "ckpt-s000000000040" in names
+    assert_same_weights(final_weights(reference), final_weights(tmp_path))
+
+
+def test_failed_save_with_on_error_raise_exits_non_zero(tmp_path):
+    result = run("resumable.py", tmp_path, *ARGS, "--ckpt.on_error", "raise", FAULT=SECOND_SAVE)
+    assert result.returncode != 0
+    assert "No space left on device" in result.stderr and "Traceback" not in result.stderr
+    assert assert_committed_intact(tmp_path) == ["ckpt-s000000000010"]
+
+
+def test_failed_final_save_exits_non_zero(tmp_path):
+    result = run("resumable.py", tmp_path, *ARGS, FAULT=FINAL_SAVE)
+    assert result.returncode != 0
+    assert "ckpt-s000000000040 (final) failed" in result.stderr
+    assert assert_committed_intact(tmp_path)[0] == "ckpt-s000000000030"
+    assert not (run_dir(tmp_path) / "model.pth").exists()
+
+
+def mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return mounted.returncode == 0
+
+
+def test_a_really_full_tmpfs(reference, tmp_path):
+    disk = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+    if not mount_tmpfs(disk, "600k"):
+        pytest.skip("mounting a small tmpfs needs CAP_SYS_ADMIN, which this machine does not grant")
+    try:
+        # ~190 KB per checkpoint: three fit, the fourth does not.
+        args = (*ARGS, "--width", "96", "--depth", "2")
+        result = run("resumable.py", disk, *args)
+        assert result.returncode != 0, result.stdout
+        assert "No space left on device" in result.stdout + result.stderr
+        assert_committed_intact(disk)
+        # Free space elsewhere: the same run, moved to a roomy disk, resumes and finishes exactly.
+        roomy = tmp_path / "roomy"
+        shutil.copytree(disk, roomy)
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+    rerun = run("resumable.py", roomy, *args)
+    assert_ok(rerun)
+    reference_wide = tmp_path / "reference-wide"
+    assert_ok(run("resumable.py", reference_wide, *args))
+    assert_same_weights(final_weights(reference_wide), final_weights(roomy))
