@@ -4,7 +4,8 @@ Environment knobs (tests only):
   LOSS_LOG      append one JSON line per micro-batch: position and the loss as an exact float hex
   STEP_SLEEP    seconds to sleep per micro-batch, so an outside SIGKILL lands mid-run
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (a deterministic hard death)
-  FAULT         POINT:N (or POINT:N+ for every pass from the N-th on) — inject a fault at the N-th pass through a point of the checkpoint code:
+  FAULT         POINT:N — inject a fault at the N-th pass through a point of the checkpoint code
+                (POINT:N+ — at every pass from the N-th on):
                   pointer  SIGKILL just before `latest` moves (the checkpoint directory is already committed)
                   prune    SIGKILL in the middle of pruning (a directory renamed aside, not yet deleted)
                   write    SIGKILL half-way through writing a checkpoint file (in the background writer if async)
