@@ -158,3 +158,67 @@ def test_export_dtype_casts_the_model_export(tmp_path):
     train(tmp_path, **{"ckpt.export_dtype": "bf16"})
     exported = torch.load(run_dir(tmp_path) / "model.pth", weights_only=True)
     assert all(tensor.dtype == torch.bfloat16 for tensor in exported.values())
+
+
+def test_from_checkpoint_of_an_older_checkpoint_restores_exactly_it(tmp_path):
+    train(tmp_path)
+    original = run_dir(tmp_path)
+    older = original / "checkpoints" / "ckpt-s000000000004"
+    rebuilt = ResumableRunner.from_checkpoint(older, config_class=Config)
+    assert rebuilt.global_step == 4
+    saved = torch.load(older / "state.pth", weights_only=True)["model"]
+    assert_same_weights(rebuilt.model.state_dict(), saved)
+    assert rebuilt.run_dir.path != original and "from-ckpt-s000000000004" in rebuilt.run_dir.run_id
+    rebuilt.close()
+
+
+def test_pointer_files_are_followed_and_bad_weights_fail_before_writing(tmp_path):
+    trained = train(tmp_path / "a")
+    best = run_dir(tmp_path / "a") / "checkpoints" / "best"
+    runner = ResumableRunner(make_config(tmp_path / "b", pretrained=str(best)))
+    assert runner.global_step == 0 and runner.restore_source.kind == "pretrained"
+    runner.close()
+    latest = run_dir(tmp_path / "a") / "checkpoints" / "latest"
+    runner = ResumableRunner(make_config(tmp_path / "c", checkpoint=str(latest)))
+    assert_same_weights(runner.model.state_dict(), trained.model.state_dict())
+    runner.close()
+
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match="cannot read weights"):
+        ResumableRunner(make_config(tmp_path / "d", pretrained=str(garbage)))
+    assert not (tmp_path / "d").exists()
+
+
+def test_extending_a_run_stretches_the_schedule_over_the_new_budget(tmp_path):
+    schedule = {"sched.name": "linear"}
+    short = train(tmp_path / "short", **schedule)
+    assert short.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
+    extended = ResumableRunner(make_config(tmp_path / "short", steps=24, **schedule))
+    assert extended.global_step == 12
+    assert extended.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5)
+    extended.close()
+    pinned = {**schedule, "sched.total_steps": 12}
+    train(tmp_path / "pinned", **pinned)
+    kept = ResumableRunner(make_config(tmp_path / "pinned", steps=24, **pinned))
+    assert kept.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
+    kept.close()
+
+
+def test_steps_and_epochs_runs_are_different_runs(tmp_path):
+    steps = ResumableRunner(make_config(tmp_path))
+    steps.close()
+    epochs = ResumableRunner(make_config(tmp_path, steps=None, epochs=2))
+    epochs.close()
+    assert steps.run_dir.config_id != epochs.run_dir.config_id
+
+
+def test_every_checkpoint_corrupt(tmp_path):
+    train(tmp_path)
+    for state in (run_dir(tmp_path) / "checkpoints").glob("ckpt-*/state.pth"):
+        state.write_bytes(b"broken")
+    with pytest.raises(ResumeError, match="refuses to start over"):
+        ResumableRunner(make_config(tmp_path, resume=True))
+    fresh = ResumableRunner(make_config(tmp_path))
+    assert fresh.global_step == 0
+    fresh.close()

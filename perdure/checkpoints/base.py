@@ -15,6 +15,7 @@ import torch
 
 from perdure.checkpoints.async_save import AsyncSaver, SaveJob, SaveOutcome
 from perdure.checkpoints.commit import (
+    QUARANTINE_DIR,
     FileRecord,
     commit_checkpoint,
     make_staging_dir,
@@ -95,6 +96,7 @@ class CheckpointManager(ABC):
         self.resumed_from: str | None = None
         self.last_saved: str | None = None
         self._saver: AsyncSaver | None = None
+        self.quarantined: list[str] = []
 
     # ---- what the runner calls -------------------------------------------------------------------------------
 
@@ -102,7 +104,12 @@ class CheckpointManager(ABC):
         """The newest checkpoint of this run that verifies, quarantining bad ones (only when writes are allowed)."""
         if not self.root.is_dir():
             return None
-        return resolve_latest(self.root, repair=self.policy.enabled and self.rank == 0)
+        quarantine_dir = self.root / QUARANTINE_DIR
+        before = set(quarantine_dir.iterdir()) if quarantine_dir.is_dir() else set()
+        info = resolve_latest(self.root, repair=self.policy.enabled and self.rank == 0)
+        after = set(quarantine_dir.iterdir()) if quarantine_dir.is_dir() else set()
+        self.quarantined = sorted(path.name for path in after - before)
+        return info
 
     def save(
         self,

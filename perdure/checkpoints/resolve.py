@@ -18,6 +18,7 @@ from typing import Any
 from perdure.checkpoints.commit import (
     CHECKPOINT_PATTERN,
     MANIFEST_NAME,
+    POINTERS,
     STAGING_PREFIX,
     fsync_dir,
     quarantine,
@@ -213,6 +214,11 @@ def resolve_path(path: Path, *, warn: Warn | None = None) -> CheckpointInfo:
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
+    if path.is_file() and path.name in POINTERS:
+        target = read_pointer(path.parent, path.name)
+        if not target or not CHECKPOINT_PATTERN.match(target) or not (path.parent / target).is_dir():
+            raise CheckpointError(f"pointer {path} holds {target!r}, which names no checkpoint next to it")
+        path = path.parent / target
     if not path.is_dir():
         raise CheckpointError(
             f"checkpoint path {path} is a file; a checkpoint is a directory holding {MANIFEST_NAME} "

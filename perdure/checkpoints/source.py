@@ -40,6 +40,7 @@ def choose_restore_source(
     resume: str | bool,
     checkpoint: str | None,
     pretrained: str | None,
+    quarantined: list[str] | None = None,
 ) -> RestoreSource:
     """A run with a committed checkpoint continues from it; otherwise checkpoint > pretrained > fresh.
 
@@ -65,6 +66,20 @@ def choose_restore_source(
                     value,
                 )
         return RestoreSource("resume", info=own)
+    # Quarantined staging leftovers ("tmp-...") were never checkpoints; committed ones that failed are.
+    committed = [name for name in quarantined or [] if not name.startswith("tmp-")]
+    if committed:
+        if resume is True:
+            raise ResumeError(
+                f"every checkpoint of run {run_dir} failed verification ({', '.join(committed)} moved to "
+                f"checkpoints/quarantine/ with the reasons): --resume refuses to start over. Inspect them with "
+                f"`perdure ckpt ls {run_dir}`, or run without --resume to train this run again from step 0."
+            )
+        logger.warning(
+            "CHECKPOINT PROBLEM: no checkpoint of run %s verifies (%s quarantined): starting over from step 0",
+            run_dir,
+            ", ".join(committed),
+        )
     if resume is True:
         logger.info("--resume: nothing to resume in %s, starting a new run", run_dir)
     if checkpoint:

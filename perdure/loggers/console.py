@@ -21,6 +21,12 @@ class ConsoleHandler(logging.StreamHandler):
         self.stream = sys.stdout
         super().emit(record)
 
+    def handleError(self, record: logging.LogRecord) -> None:
+        # `python train.py | head`: a closed pipe is not worth a traceback per log line.
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            return
+        super().handleError(record)
+
 
 def get_logger() -> logging.Logger:
     """The framework's logger, with one console handler installed once (never `print`, never the root logger)."""

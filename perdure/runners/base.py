@@ -112,9 +112,12 @@ class BaseRunner(metaclass=RunnerMeta):
                 resume=config.resume,
                 checkpoint=config.checkpoint,
                 pretrained=config.pretrained,
+                quarantined=self.checkpoints.quarantined,
             )
             if self.restore_source.info is not None:
                 self._check_same_config(self.restore_source.info)
+            if self.restore_source.kind == "pretrained":
+                self._pretrained_weights = read_weights(self.restore_source.path)
             self.attempt_started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
             if self.is_main_process:
                 self.run_dir.create()
@@ -299,6 +302,7 @@ class BaseRunner(metaclass=RunnerMeta):
 
         loader = self.dataloaders["train"]
         self.model.train()
+        self._clock, self._clock_step = time.perf_counter(), self.state.global_step
         self.preemption.install()
         try:
             while not (done() or self.stop_requested()):
@@ -405,6 +409,10 @@ class BaseRunner(metaclass=RunnerMeta):
     def _finish(self) -> None:
         """Training is over (budget or early stop): final checkpoint, drain, export."""
         self._ending = True
+        evaluated = str(self.state.global_step) in self.state.results
+        if self.config.training_mode() == "steps" and self._eval_splits() and not evaluated:
+            self.is_best = False
+            self._evaluate_and_score()
         self.save_checkpoint("final")
         self._report_saves(self.checkpoints.close())
         if self.config.ckpt.enabled and self.is_main_process:
@@ -645,7 +653,8 @@ class BaseRunner(metaclass=RunnerMeta):
             self.checkpoints.load(source.info, self.checkpoint_states(), self.checkpoint_local_states())
             self._saved_position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
         elif source.kind == "pretrained":
-            self.load_pretrained(source.path)
+            self.unwrap_model().load_state_dict(self._pretrained_weights)
+            del self._pretrained_weights
 
     def _check_same_config(self, info: CheckpointInfo) -> None:
         stored_path = info.path / "config.yaml"
@@ -714,6 +723,17 @@ class BaseRunner(metaclass=RunnerMeta):
         config = config_class.from_plain(stored)
         config.checkpoint = str(info.path)
         config.pretrained = None
+        config.resume = "auto"
+        checkpoints = info.path.parent
+        if checkpoints.name == "checkpoints":
+            # Rebuild in the workspace the checkpoint lives in, wherever this process runs from.
+            config.workspace.root = str(checkpoints.parent.parent.parent.resolve())
+            run_dir = resolve_run_dir(config, cls.__name__)
+            own_run = run_dir.path.resolve() == checkpoints.parent.resolve()
+            if own_run and read_pointer(checkpoints, "latest") != info.name:
+                # Its own run has moved on: continuing that run would load its latest checkpoint, not this one.
+                config.workspace.id = f"{run_dir.run_id}-from-{info.name}"
+                get_logger().info("from_checkpoint(%s): branching run %s", info.path, config.workspace.id)
         return cls(config)
 
     @classmethod

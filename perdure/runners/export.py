@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from perdure.checkpoints.commit import fsync_dir, write_file
+from perdure.checkpoints.commit import POINTERS, fsync_dir, write_file
 from perdure.checkpoints.file import REPLICATED_FILE
 from perdure.checkpoints.resolve import resolve_path
 from perdure.errors import CheckpointError, ConfigError
@@ -33,13 +33,16 @@ def export_weights(state_dict: dict[str, torch.Tensor], path: Path, dtype: str |
 
 
 def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
-    """Weights from an exported file (`model.pth`) or from a checkpoint / checkpoints / run directory."""
+    """Weights from an exported file (`model.pth`) or from a checkpoint / checkpoints / run directory or pointer."""
     if not path.exists():
         raise CheckpointError(f"pretrained path {path} does not exist")
-    if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
+    if path.is_file() and path.name not in POINTERS:
+        weights = _load(path)
+        if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+            raise CheckpointError(f"{path} holds no state dict of tensors; give a model export such as model.pth")
+        return weights
     info = resolve_path(path)
-    state = torch.load(info.path / REPLICATED_FILE, map_location="cpu", weights_only=True)
+    state = _load(info.path / REPLICATED_FILE)
     if ema:
         if "ema" not in state:
             raise CheckpointError(
@@ -47,3 +50,13 @@ def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
             )
         return state["ema"]["shadow"]
     return state["model"]
+
+
+def _load(path: Path) -> object:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"cannot read weights from {path} ({type(error).__name__}: {str(error).splitlines()[0]}); give a model "
+            "export (model.pth) or a checkpoint / run directory"
+        ) from error

@@ -40,7 +40,30 @@ def build_scheduler(
     floor = float(sched.get("min_lr_ratio", 0.0) or 0.0)
     if name not in ("constant", "cosine", "linear"):
         raise ConfigError("sched.name", name, "use one of none, constant, cosine, linear")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Schedule(name, warmup, max(total_steps, 1), floor))
+    return _ConfiguredLambdaLR(optimizer, _Schedule(name, warmup, max(total_steps, 1), floor))
+
+
+class _ConfiguredLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR whose curve always comes from the config: its checkpoint keeps the position, not the curve.
+
+    Plain LambdaLR would restore the schedule's parameters (its total length) from the checkpoint, so a run
+    extended with a larger budget would keep decaying towards the old one. Pin `sched.total_steps` to keep a curve
+    fixed across extensions.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["lr_lambdas"] = [None] * len(self.lr_lambdas)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # The learning rate of the next step follows this config's curve (identical to the saved one when the
+        # budget did not change, so an exact resume stays exact).
+        rates = [base * schedule(self.last_epoch) for base, schedule in zip(self.base_lrs, self.lr_lambdas)]
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            group["lr"] = rate
+        self._last_lr = rates
 
 
 class _Schedule:

@@ -79,6 +79,12 @@ def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
         for section in sections:
             node = node.setdefault(section, {})
         node[leaf] = value
+    # The budget's size is not identity but its unit is: intervals count steps or epochs depending on it.
+    plain = plain_dict(config)
+    if plain.get("epochs") is not None:
+        canonical["budget_unit"] = "epochs"
+    elif plain.get("steps") is not None:
+        canonical["budget_unit"] = "steps"
     return canonical
 
 
