@@ -1,0 +1,126 @@
+"""The metric logger contract, the group the runner holds, and the factory that reads the config."""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from perdure.errors import ConfigError
+from perdure.loggers.images import to_image_array
+
+if TYPE_CHECKING:
+    from perdure.config import RunnerConfig
+    from perdure.runners.state import RunnerState
+
+__all__ = ["LoggerGroup", "MetricLogger", "build_loggers", "metric_tag", "to_image_array"]
+
+
+def metric_tag(split: str, name: str) -> str:
+    """The name a metric gets in TensorBoard and W&B: `split/name`."""
+    return f"{split}/{name}"
+
+
+class MetricLogger(ABC):
+    """A destination for metrics.
+
+    The runner, on the main process only: `open()` once after the restore, `log_metrics()` / `log_image()` as events
+    happen, `flush()` at every log interval and `flush(durable=True)` before each checkpoint commits, `close()` at the
+    end. `open` receives the step of the restored checkpoint (0 for a fresh start): a logger that keeps files drops
+    what an earlier attempt logged after that step, since the resumed run logs those steps again.
+    """
+
+    def open(self, run_dir: Path, *, resumed_step: int, state: RunnerState, config: RunnerConfig) -> None:
+        """Prepare to log into `run_dir`. Called once, after the restore, before the first `log_*`."""
+        return None
+
+    @abstractmethod
+    def log_metrics(self, split: str, metrics: Mapping[str, float], step: int) -> None:
+        """Record `metrics` of `split` (train, val, ...) at global step `step`."""
+
+    def log_image(self, tag: str, image: np.ndarray, step: int, index: int = 0) -> None:
+        """Record an HWC uint8 image (see `to_image_array`) under `tag` at `step`. Default: ignored."""
+        return None
+
+    def flush(self, durable: bool = False) -> None:
+        """Push what was logged to disk: enough to survive a kill; `durable` must also survive a power loss."""
+        return None
+
+    def close(self) -> None:
+        """Flush and release everything. Idempotent."""
+        return None
+
+
+class LoggerGroup:
+    """The loggers of one run, fanned out to as one. Converts each image once for all of them."""
+
+    def __init__(self, loggers: Iterable[MetricLogger]) -> None:
+        self.loggers = list(loggers)
+
+    def open(self, run_dir: Path, *, resumed_step: int, state: RunnerState, config: RunnerConfig) -> None:
+        for logger in self.loggers:
+            logger.open(Path(run_dir), resumed_step=resumed_step, state=state, config=config)
+
+    def log_metrics(self, split: str, metrics: Mapping[str, float], step: int) -> None:
+        values = {name: float(value) for name, value in metrics.items()}
+        for logger in self.loggers:
+            logger.log_metrics(split, values, step)
+
+    def log_image(self, tag: str, image: Any, step: int, index: int = 0) -> None:
+        array = to_image_array(image)
+        for logger in self.loggers:
+            logger.log_image(tag, array, step, index)
+
+    def flush(self, durable: bool = False) -> None:
+        for logger in self.loggers:
+            logger.flush(durable)
+
+    def close(self) -> None:
+        """Close every logger, even when one fails; the first failure is raised afterwards."""
+        failure: BaseException | None = None
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as error:  # noqa: BLE001 - the others must still close
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    def __iter__(self):
+        return iter(self.loggers)
+
+    def __len__(self) -> int:
+        return len(self.loggers)
+
+
+def build_loggers(config: RunnerConfig) -> list[MetricLogger]:
+    """The loggers `config` asks for: metrics.csv and the media writer always, TensorBoard if
+    `tensorboard.enabled`, W&B if `wandb.enabled` (and `wandb.mode` is not `disabled`; `wandb.rewind`, when the
+    config has that key, turns on W&B's run rewind).
+
+    Raises `ConfigError` when an enabled backend is not installed, before anything is written.
+    """
+    from perdure.loggers.media import MediaLogger
+    from perdure.loggers.metrics_csv import MetricsCSV
+
+    loggers: list[MetricLogger] = [MetricsCSV(), MediaLogger()]
+    if config.lookup("tensorboard.enabled", False):
+        _require("tensorboard", "tensorboard.enabled", "pip install tensorboard")
+        from perdure.loggers.tensorboard_logger import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger())
+    if config.lookup("wandb.enabled", False) and config.lookup("wandb.mode", "online") != "disabled":
+        _require("wandb", "wandb.enabled", "pip install wandb")
+        from perdure.loggers.wandb_logger import WandbLogger
+
+        loggers.append(WandbLogger(rewind=bool(config.lookup("wandb.rewind", False))))
+    return loggers
+
+
+def _require(module: str, key: str, install: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(key, True, f"the '{module}' package is not installed; {install}, or set --{key} false")

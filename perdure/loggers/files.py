@@ -1,0 +1,102 @@
+"""Append-only line files (metrics.csv, media.jsonl) that a resumed run cuts back to its checkpoint's step."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+class StepLines:
+    """A text file holding one record per line, each record logged at a training step.
+
+    `open(resumed_step)` first cuts the file back to what the restored checkpoint vouches for: records with a step
+    after `resumed_step` were written by an attempt that died after its last checkpoint, and the resumed run logs
+    those steps again, so they are dropped (with `resumed_step == 0`, a fresh start, every record is). A torn last
+    line (the process died mid-write) and lines `step_of` cannot read are dropped too. The cut is an atomic
+    rewrite: temporary file, fsync, `os.replace`, fsync of the directory; a file that needs no cut is not touched.
+    """
+
+    def __init__(self, path: Path, step_of: Callable[[str], int], header: str | None = None) -> None:
+        self.path = Path(path)
+        self.header = header
+        self._step_of = step_of
+        self._file: IO[str] | None = None
+
+    def open(self, resumed_step: int) -> list[str]:
+        """Cut the file back to `resumed_step`, open it for appending; return the dropped records."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):  # a rewrite a kill interrupted
+            stale.unlink(missing_ok=True)
+        dropped = self._cut(resumed_step)
+        self._file = self.path.open("a", encoding="utf-8", newline="")
+        if self.header is not None and self._file.tell() == 0:
+            self._file.write(self.header + "\n")
+        return dropped
+
+    def write(self, line: str) -> None:
+        """Append one record (no newline in `line`)."""
+        if self._file is None:
+            raise RuntimeError(f"{self.path.name} is not open: call open() first")
+        self._file.write(line + "\n")
+
+    def flush(self, durable: bool = False) -> None:
+        """Hand buffered records to the OS (enough to survive a kill); `durable` also fsyncs (survives power loss)."""
+        if self._file is None:
+            return
+        self._file.flush()
+        if durable:
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        """Flush durably and close; idempotent."""
+        if self._file is None:
+            return
+        self.flush(durable=True)
+        self._file.close()
+        self._file = None
+
+    def _cut(self, resumed_step: int) -> list[str]:
+        if not self.path.exists():
+            return []
+        data = self.path.read_bytes()
+        lines = data.decode("utf-8", errors="replace").split("\n")
+        torn = lines.pop()  # text after the last newline: empty, or a record cut short by a kill
+        changed = bool(torn)
+        kept: list[str] = []
+        dropped: list[str] = []
+        if self.header is not None:
+            if lines and lines[0] == self.header:
+                kept.append(lines.pop(0))
+            else:
+                kept.append(self.header)
+                changed = True
+        for line in lines:
+            step = self._step_or_none(line)
+            keep = resumed_step > 0 and step is not None and step <= resumed_step
+            (kept if keep else dropped).append(line)
+        if changed or dropped:
+            _atomic_write(self.path, "".join(line + "\n" for line in kept))
+        return dropped
+
+    def _step_or_none(self, line: str) -> int | None:
+        try:
+            return int(self._step_of(line))
+        except (ValueError, TypeError, KeyError, IndexError):
+            return None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Replace `path` by `text` so that a crash leaves either the old or the new file, never a mix."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with temporary.open("w", encoding="utf-8", newline="") as stream:
+        stream.write(text)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
