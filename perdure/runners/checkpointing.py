@@ -1,0 +1,200 @@
+"""Checkpointing: what the runner saves and restores, and how a failed save is reported."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+
+from perdure.checkpoints.async_save import SaveOutcome
+from perdure.checkpoints.base import Stateful
+from perdure.checkpoints.commit import checkpoint_name, read_pointer
+from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
+from perdure.checkpoints.source import RestoreSource
+from perdure.config import RunnerConfig
+from perdure.errors import CheckpointError, CheckpointSaveError
+from perdure.loggers.console import get_logger
+from perdure.runners.export import export_weights, read_weights
+from perdure.runners.rng import RNGState
+from perdure.workspace.identity import canonical_config, config_diff
+from perdure.workspace.run_dir import resolve_run_dir
+
+if TYPE_CHECKING:
+    from perdure.runners.base import BaseRunner
+
+
+class CheckpointingMixin:
+    """The runner's side of the checkpoint contract: which objects go in (and in what order they come back), when a
+    position counts as saved, failures, exports, and the `from_checkpoint` / `from_pretrained` constructors. Part of
+    `BaseRunner` (one concept per file); the bytes and the commit protocol belong to the CheckpointManager."""
+
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """Replicated objects, in restore order: state, model, EMA, optimizer, scheduler, then the stack's extras."""
+        states: dict[str, Stateful] = {"state": self.state, "model": self.unwrap_model()}
+        if self.ema is not None:
+            states["ema"] = self.ema
+        states["optimizer"] = self.optimizer
+        if self.scheduler is not None:
+            states["scheduler"] = self.scheduler
+        states.update(self.extra_states())
+        return states
+
+    def checkpoint_local_states(self) -> dict[str, Stateful]:
+        """Rank-local objects, restored after everything else: data position, then the RNGs."""
+        return {"data": _DataPosition(self), "rng": RNGState()}
+
+    def save_checkpoint(self, reason: str) -> Path | None:
+        """Save the current position (once per position); `reason` (interval, best, final, preemption) goes into the
+        manifest. Async modes return as soon as the snapshot is handed over. A failed save is reported and, unless it
+        is a final or preemption save or `ckpt.on_error=raise`, training goes on."""
+        self._report_saves(self.checkpoints.take_outcomes())
+        position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
+        if position == self._saved_position or self.state.global_step == 0:
+            return None
+        name = self._position_name()
+        meta = {
+            "global_step": self.state.global_step,
+            "epoch": self.state.epoch,
+            "batch_in_epoch": self.state.batch_in_epoch,
+            "reason": reason,
+            "score": self.state.best_score if self.state.best_step == self.state.global_step else None,
+        }
+        is_best = self.state.best_step == self.state.global_step
+        started = time.perf_counter()
+        try:
+            path = self.checkpoints.save(
+                name,
+                self.checkpoint_states(),
+                self.checkpoint_local_states(),
+                meta=meta,
+                is_best=is_best,
+                texts={"config.yaml": yaml.safe_dump(self.config.to_plain(), sort_keys=True)},
+                persistent=reason != "interval" or is_best,
+                deferred=self._tensors_changed_by_step(),
+            )
+        except (OSError, CheckpointError) as error:
+            self._save_failed(name, reason, f"{type(error).__name__}: {error}")
+            return None
+        self._saved_position = position
+        if path is not None:
+            how = "saved" if self.config.ckpt.async_mode == "disabled" else "snapshotted"
+            self.logger.info("%s %s (%s) in %.3fs", how, path.name, reason, time.perf_counter() - started)
+        return path
+
+    def _position_name(self) -> str:
+        """The checkpoint name of the current position: `ckpt-e…` at an epoch end in epoch mode, else `ckpt-s…`."""
+        if self.config.training_mode() == "epochs" and self.state.batch_in_epoch == 0:
+            return checkpoint_name(epoch=self.state.epoch)
+        return checkpoint_name(step=self.state.global_step)
+
+    def _tensors_changed_by_step(self) -> list[torch.Tensor]:
+        """Tensors only the optimizer step (and the EMA update after it) changes: an async save copies them late."""
+        tensors = list(self.unwrap_model().parameters())
+        for state in self.optimizer.state.values():
+            tensors.extend(value for value in state.values() if isinstance(value, torch.Tensor))
+        if self.ema is not None:
+            tensors.extend(self.ema.shadow.values())
+        return tensors
+
+    def _report_saves(self, outcomes: list[SaveOutcome]) -> None:
+        for outcome in outcomes:
+            if outcome.error is None:
+                self.logger.info("committed %s (%s) in the background in %.2fs", outcome.name, outcome.reason,
+                                 outcome.seconds)  # fmt: skip
+            else:
+                self._save_failed(outcome.name, outcome.reason, outcome.error)
+
+    def _save_failed(self, name: str, reason: str, error: str) -> None:
+        """A save failed: always reported; raised for final / preemption saves and with `ckpt.on_error=raise`."""
+        self.save_failures.append(f"{name}: {error}")
+        message = (
+            f"checkpoint {name} ({reason}) failed: {error}. Its partial directory was removed and every committed "
+            f"checkpoint is intact (latest: {read_pointer(self.run_dir.checkpoints, 'latest')})."
+        )
+        # The save of the position training ends at is the one a rerun needs: losing it is never just a warning.
+        final = self._ending and name == self._position_name()
+        if final or reason in ("final", "preemption") or self.config.ckpt.on_error == "raise":
+            raise CheckpointSaveError(message)
+        self.logger.error("%s Training goes on (ckpt.on_error=warn).", message)
+
+    def restore(self, source: RestoreSource) -> None:
+        """Load what `choose_restore_source` decided, in the order state, model, EMA, optimizer, scheduler, data."""
+        self.logger.info("%s", source.describe())
+        if source.kind in ("resume", "checkpoint"):
+            self.checkpoints.load(source.info, self.checkpoint_states(), self.checkpoint_local_states())
+            self._saved_position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
+        elif source.kind == "pretrained":
+            self.unwrap_model().load_state_dict(self._pretrained_weights)
+            del self._pretrained_weights
+
+    def _check_same_config(self, info: CheckpointInfo) -> None:
+        stored_path = info.path / "config.yaml"
+        stored = yaml.safe_load(stored_path.read_text()) if stored_path.exists() else {}
+        theirs, ours = canonical_config(stored), canonical_config(self.config)
+        if theirs != ours:
+            lines = "\n  ".join(config_diff(theirs, ours, a_label="checkpoint", b_label="current"))
+            raise CheckpointError(
+                f"checkpoint {info.path} was made with a different config, so resuming it would not continue the "
+                f"same run:\n  {lines}\nUse the checkpoint's config (Runner.from_checkpoint), or load only its "
+                f"weights with --pretrained {info.path}."
+            )
+
+    def load_pretrained(self, path: Path, ema: bool = False) -> None:
+        """Load model (or EMA) weights only, from an exported `.pth` file or any checkpoint path."""
+        self.unwrap_model().load_state_dict(read_weights(Path(path), ema=ema))
+
+    def export_model(self) -> Path:
+        """Write `model.pth` (and `model-ema.pth` with EMA) into the run dir, cast to `ckpt.export_dtype`."""
+        dtype = self.config.ckpt.export_dtype
+        path = export_weights(self.unwrap_model().state_dict(), self.run_dir.path / "model.pth", dtype)
+        if self.ema is not None:
+            export_weights(self.ema.weights(), self.run_dir.path / "model-ema.pth", dtype)
+        return path
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config_class: type[RunnerConfig] = RunnerConfig) -> BaseRunner:
+        """Rebuild a runner from the config stored in a checkpoint and restore its full state.
+
+        `path` may be a run dir, its `checkpoints/` dir, or one checkpoint dir.
+        """
+        info = resolve_path(Path(path))
+        stored = yaml.safe_load((info.path / "config.yaml").read_text())
+        config = config_class.from_plain(stored)
+        config.checkpoint = str(info.path)
+        config.pretrained = None
+        config.resume = "auto"
+        checkpoints = info.path.parent
+        if checkpoints.name == "checkpoints":
+            # Rebuild in the workspace the checkpoint lives in, wherever this process runs from.
+            config.workspace.root = str(checkpoints.parent.parent.parent.resolve())
+            run_dir = resolve_run_dir(config, cls.__name__)
+            own_run = run_dir.path.resolve() == checkpoints.parent.resolve()
+            if own_run and read_pointer(checkpoints, "latest") != info.name:
+                # Its own run has moved on: continuing that run would load its latest checkpoint, not this one.
+                config.workspace.id = f"{run_dir.run_id}-from-{info.name}"
+                get_logger().info("from_checkpoint(%s): branching run %s", info.path, config.workspace.id)
+        return cls(config)
+
+    @classmethod
+    def from_pretrained(cls, config: RunnerConfig, path: str | Path) -> BaseRunner:
+        """Build a runner from `config` and load model weights only from `path` (an export or a checkpoint)."""
+        config.pretrained = str(path)
+        config.checkpoint = None
+        return cls(config)
+
+
+class _DataPosition:
+    """The training loader's rank-local position, as a Stateful for checkpoints."""
+
+    def __init__(self, runner: BaseRunner) -> None:
+        self.runner = runner
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.runner.state
+        return {"train": self.runner.dataloaders["train"].position(state.epoch, state.batch_in_epoch)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.runner.dataloaders["train"].restore(state["train"])

@@ -1,0 +1,104 @@
+"""Evaluation and scoring: the part of the runner that measures, keeps every result and tracks the best score."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+class EvaluationMixin:
+    """Evaluation loops, results history, best score and early stopping. Part of `BaseRunner` (one concept per
+    file); it uses the runner's `config`, `state`, `model`, `dataloaders`, `autocast` and `evaluate_step`."""
+
+    def _eval_splits(self) -> list[str]:
+        return [split for split in self.dataloaders if split != "train"]
+
+    def evaluate(self, splits: list[str] | None = None) -> dict[str, dict[str, float]]:
+        """Evaluate each split (default: every split but train); bounded in step mode, whole splits in epoch mode."""
+        steps = None if self.config.training_mode() == "epochs" else self.default_eval_steps()
+        return {split: self.evaluate_steps(split, steps) for split in (splits or self._eval_splits())}
+
+    def default_eval_steps(self) -> int:
+        return max((self.config.steps or 0) // 20, 1)
+
+    def evaluate_steps(self, split: str, steps: int | None = None) -> dict[str, float]:
+        """Average `evaluate_step` over at most `steps` batches of `split` (all of them when None)."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        totals: dict[str, float] = {}
+        count = 0
+        with torch.inference_mode():
+            for index, batch in enumerate(self.dataloaders[split].iter_epoch(0)):
+                if steps is not None and index >= steps:
+                    break
+                with self.autocast():
+                    metrics = self.evaluate_step(batch)
+                weight = _batch_size(batch)
+                for name, value in metrics.items():
+                    totals[name] = totals.get(name, 0.0) + float(value) * weight
+                count += weight
+        model.train(was_training)
+        return self.reduce_metrics(totals, count)
+
+    def reduce_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
+        """Turn weighted sums into means. Distributed stacks sum `totals` and `count` over ranks first."""
+        return {name: total / max(count, 1) for name, total in totals.items()}
+
+    def infer(self, split: str) -> torch.Tensor:
+        """Concatenated `infer_step` outputs over a whole split, in order."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        outputs = []
+        with torch.inference_mode():
+            for batch in self.dataloaders[split].iter_epoch(0):
+                with self.autocast():
+                    outputs.append(self.infer_step(batch))
+        model.train(was_training)
+        return torch.cat(outputs)
+
+    def _evaluate_and_score(self) -> None:
+        results = self.evaluate()
+        self.state.results[str(self.state.global_step)] = results
+        for split, metrics in results.items():
+            self.log_metrics(split, metrics)
+        self._update_score(results)
+
+    def _update_score(self, results: Mapping[str, Mapping[str, float]]) -> None:
+        score_config = self.config.score
+        score = results.get(score_config.split, {}).get(score_config.metric)
+        if score is None:
+            return
+        best = self.state.best_score
+        improved = best is None or (score < best if score_config.mode == "min" else score > best)
+        if improved:
+            self.state.best_score = float(score)
+            self.state.best_step = self.state.global_step
+            self.state.patience_count = 0
+            self.is_best = True
+            return
+        self.state.patience_count += 1
+        if score_config.patience and self.state.patience_count >= score_config.patience:
+            self.state.early_stopped = True
+            self.logger.info(
+                "early stop at step %d: %s/%s did not improve for %d evaluations (best %.6g at step %d)",
+                self.state.global_step,
+                score_config.split,
+                score_config.metric,
+                self.state.patience_count,
+                self.state.best_score,
+                self.state.best_step,
+            )
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        return _batch_size(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_size(batch[0])
+    return 1
