@@ -67,7 +67,8 @@ class AsyncSaver:
         self._snapshots: list[Snapshot] = []
         self._outcomes: list[SaveOutcome] = []
         self._closed = False
-        self._writer: _WriterProcess | None = None
+        # The writer process starts now, while training warms up, so the first save does not wait for its imports.
+        self._writer = _WriterProcess(manager) if mode == "process" else None
         self._thread = threading.Thread(target=self._run, name="perdure-checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -142,11 +143,9 @@ class AsyncSaver:
             try:
                 snapshot.wait()
                 job.replicated, job.local = snapshot.replicated, snapshot.local
-                if self.mode == "thread":
+                if self._writer is None:
                     self.manager.commit_job(job)
                 else:
-                    if self._writer is None:
-                        self._writer = _WriterProcess(self.manager)
                     self._writer.commit(job)
             except BaseException as failure:  # kept and reported on the loop's next save
                 error = f"{type(failure).__name__}: {failure}"

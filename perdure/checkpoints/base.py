@@ -205,6 +205,11 @@ class CheckpointManager(ABC):
         self._saver.drain()
         return self._saver.take_outcomes()
 
+    def start(self) -> None:
+        """Called when training starts: an async manager starts its background writer (and process) now."""
+        if self.policy.enabled and self.policy.async_mode != "disabled":
+            self._async_saver()
+
     def _async_saver(self) -> AsyncSaver:
         if self._saver is None:
             self._saver = AsyncSaver(self, self.policy.async_mode)

@@ -298,6 +298,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
 
         loader = self.dataloaders["train"]
         self.model.train()
+        self.checkpoints.start()
         self._clock, self._clock_step = time.perf_counter(), self.state.global_step
         self.preemption.install()
         try:
