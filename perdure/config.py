@@ -91,6 +91,9 @@ _NULL = ("none", "null", "~")
 _NUMBER = re.compile(r"^[+-]?(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 _BARE = object()  # marker: an option given without a value
 _MISSING = object()
+# Non-key attribute (chanfig `setattr`) holding the dotted keys given on the command line: not in to_plain / yaml /
+# the canonical config, so it never changes config_id.
+_CLI_KEYS_ATTR = "_perdure_cli_keys"
 
 
 class RunnerConfig(chanfig.Config):
@@ -191,10 +194,21 @@ class RunnerConfig(chanfig.Config):
         """Every dotted leaf key the config holds now (sorted)."""
         return sorted(flatten(self.to_plain()))
 
+    def command_line_keys(self) -> frozenset[str]:
+        """Dotted keys that `parse()` set from command-line options (not from `--config` files, not in code)."""
+        return self.getattr(_CLI_KEYS_ATTR, frozenset())
+
+    def from_command_line(self, key: str) -> bool:
+        """Whether dotted `key` was given on the command line (e.g. `--workspace.root`) in `parse()`."""
+        return key in self.command_line_keys()
+
     # ------------------------------------------------------------------ parsing
 
     def parse(self, args: Sequence[str] | None = None, exit_on_error: bool = True) -> Self:  # type: ignore[override]
         """Apply `--config FILE` and `--key value` overrides from `args` (default `sys.argv[1:]`), then `check()`.
+
+        Files are applied in order, then the command-line options, which win. The keys given on the command line are
+        remembered (`command_line_keys()`), e.g. for the precedence of `workspace.root` over `$PERDURE_ROOT`.
 
         With `exit_on_error` (the CLI form) a `PerdureError` prints `error: <message>` to stderr and exits with
         status 2; otherwise it is raised. Also installs `install_excepthook()`.
@@ -207,7 +221,9 @@ class RunnerConfig(chanfig.Config):
                 raise SystemExit(0)
             for file in files:
                 self._apply(self._file_layer(file))
-            self._apply(self._cli_layer(overrides))
+            cli_layer = self._cli_layer(overrides)
+            self._apply(cli_layer)
+            self.setattr(_CLI_KEYS_ATTR, self.command_line_keys() | frozenset(cli_layer))
             return self.check()
         except PerdureError as error:
             if not exit_on_error:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from perdure.config import RunnerConfig
 from perdure.workspace.identity import code_id as current_code_id
 from perdure.workspace.identity import config_id as compute_config_id
 
@@ -41,13 +44,34 @@ class RunDir:
             directory.mkdir(parents=True, exist_ok=True)
 
 
-def workspace_root(configured: str | os.PathLike | None) -> Path:
-    """`workspace.root` if set, else `$PERDURE_ROOT`, else `./runs`."""
-    if configured:
-        return Path(configured)
+def workspace_root(config: Mapping[str, Any] | str | os.PathLike | None = None) -> Path:
+    """The workspace root, the first of: `--workspace.root` on the command line, `$PERDURE_ROOT`, `workspace.root`
+    from a `--config` file or set in code, `./runs`.
+
+    `config` is a `RunnerConfig` (a mapping: its `command_line_keys()` tell where `workspace.root` came from), or an
+    explicit root (a str / path, returned as is), or None (`$PERDURE_ROOT`, else `./runs`).
+    """
+    if isinstance(config, (str, os.PathLike)):
+        return Path(config).expanduser()
+    configured = _configured_root(config)
+    from_cli = isinstance(config, RunnerConfig) and config.from_command_line("workspace.root")
+    if configured and from_cli:
+        return Path(configured).expanduser()
     if os.environ.get(ROOT_ENV):
-        return Path(os.environ[ROOT_ENV])
+        return Path(os.environ[ROOT_ENV]).expanduser()
+    if configured:
+        return Path(configured).expanduser()
     return Path(DEFAULT_ROOT)
+
+
+def _configured_root(config: Mapping[str, Any] | None) -> str | os.PathLike | None:
+    """`workspace.root` of `config` without creating a missing section (chanfig creates one on attribute access)."""
+    if config is None:
+        return None
+    if isinstance(config, RunnerConfig):
+        return config.lookup("workspace.root")
+    workspace = config.get("workspace")
+    return workspace.get("root") if isinstance(workspace, Mapping) else None
 
 
 def default_lineage(runner_class_name: str) -> str:
@@ -59,7 +83,7 @@ def default_lineage(runner_class_name: str) -> str:
 def resolve_run_dir(config, runner_class_name: str) -> RunDir:
     """Name the run directory from the config's identity and the code's. Creates nothing."""
     workspace = config.get("workspace") or {}
-    root = workspace_root(workspace.get("root"))
+    root = workspace_root(config)
     lineage = workspace.get("lineage") or default_lineage(runner_class_name)
     code = current_code_id()
     cfg = compute_config_id(config)

@@ -1,0 +1,268 @@
+"""`perdure runs scan | ls | show ID | best METRIC [--max] | export FILE`: the run registry on the command line.
+
+Every subcommand takes `--root DIR` (default `$PERDURE_ROOT`, else `./runs`); `ls`, `best` and `export` filter with
+`--lineage`, `--status` and `--tag`. Tables go to stdout; a corrupt sidecar is reported on stderr and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from perdure.config import flatten
+from perdure.workspace.registry import Registry, RegistryError, RunRecord
+from perdure.workspace.sidecar import SIDECAR_NAME, STALE, STATUSES, parse_stamp, read_sidecar
+
+_EMPTY = "-"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `runs` and its subcommands to the `perdure` command's subparsers."""
+    root = argparse.ArgumentParser(add_help=False)
+    root.add_argument("--root", help="workspace root (default: $PERDURE_ROOT, else ./runs)")
+    filters = argparse.ArgumentParser(add_help=False)
+    filters.add_argument("--lineage", help="only runs of this lineage")
+    filters.add_argument("--status", choices=(*STATUSES, STALE), help="only runs with this (effective) status")
+    filters.add_argument("--tag", help="only runs carrying this tag")
+
+    parser = subparsers.add_parser("runs", help="find, compare and export runs", description=__doc__)
+    commands = parser.add_subparsers(dest="runs_command", required=True, metavar="{scan,ls,show,best,export}")
+
+    scan = commands.add_parser("scan", parents=[root], help="refresh registry.db from the sidecars")
+    scan.add_argument("--full", action="store_true", help="re-read every sidecar, not only the changed ones")
+    scan.set_defaults(handler=cmd_scan)
+
+    ls = commands.add_parser("ls", parents=[root, filters], help="list runs, most recently updated first")
+    ls.add_argument("--metric", action="append", help="metric column(s) to show, e.g. val/loss (repeatable)")
+    ls.add_argument("-n", "--limit", type=int, help="show at most N runs")
+    ls.set_defaults(handler=cmd_ls)
+
+    show = commands.add_parser("show", parents=[root], help="one run in detail: summary, attempts, hparams")
+    show.add_argument("id", help="run id, or a unique prefix of it")
+    show.set_defaults(handler=cmd_show)
+
+    best = commands.add_parser("best", parents=[root, filters], help="runs ranked by the best value of a metric")
+    best.add_argument("metric", help="split/name, e.g. val/loss")
+    best.add_argument("--max", action="store_true", help="higher is better (default: lower is better)")
+    best.add_argument("-n", "--limit", type=int, default=None, help="show at most N runs")
+    best.set_defaults(handler=cmd_best)
+
+    export = commands.add_parser("export", parents=[root, filters], help="write runs to .csv, .json or .parquet")
+    export.add_argument("file", help="output file; the format follows the suffix")
+    export.set_defaults(handler=cmd_export)
+    return parser
+
+
+# ---------------------------------------------------------------------- handlers
+
+
+def cmd_scan(args: argparse.Namespace) -> int:
+    """`perdure runs scan [--full]`: refresh the cache and say what changed."""
+    registry = Registry(args.root)
+    report = registry.scan(full=args.full)
+    _report_skipped(registry)
+    print(
+        f"{report.found} run(s) under {report.root}: {report.updated} read, {report.removed} removed, "
+        f"{len(report.errors)} skipped"
+    )
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """`perdure runs ls`: a table of runs, newest update first."""
+    registry = Registry(args.root)
+    records = registry.runs(lineage=args.lineage, status=args.status, tag=args.tag)
+    _report_skipped(registry)
+    if args.limit is not None:
+        records = records[: max(args.limit, 0)]
+    if not records:
+        print(f"no runs under {registry.root}{_filtered(args)}", file=sys.stderr)
+        return 0
+    metrics = args.metric or _default_metrics(records)
+    headers = ["ID", "LINEAGE", "STATUS", "STEP", *metrics, "UPDATED"]
+    rows = [
+        [r.run_id, r.lineage or _EMPTY, r.status, _num(r.step), *(_num(r.metric(m)) for m in metrics), _when(r.updated)]
+        for r in records
+    ]
+    print(table(headers, rows, right=range(3, 4 + len(metrics))))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """`perdure runs show ID`: everything the sidecar says about one run."""
+    registry = Registry(args.root)
+    record = registry.get(args.id)
+    _report_skipped(registry)
+    data = read_sidecar(record.path / SIDECAR_NAME)
+    status = record.status
+    if status == STALE:
+        status += f" (sidecar says running; last sign of life {_when(data.get('updated'))})"
+    fields = [
+        ("run", record.run_id),
+        ("path", str(record.path)),
+        ("lineage", record.lineage),
+        ("code_id", record.code_id),
+        ("config_id", record.config_id),
+        ("status", status),
+        ("tags", ", ".join(record.tags)),
+        ("step", _num(record.step)),
+        ("epoch", _num(record.epoch)),
+        ("created", _when(record.created)),
+        ("updated", _when(record.updated)),
+        ("latest ckpt", record.latest_checkpoint),
+        ("best ckpt", record.best_checkpoint),
+    ]
+    print(
+        table(["", ""], [[key, _EMPTY if value in (None, "") else str(value)] for key, value in fields], header=False)
+    )
+    if record.summary:
+        print("\nmetrics")
+        rows = [
+            [key, *(_num(entry.get(stat)) for stat in ("latest", "latest_step", "min", "min_step", "max", "max_step"))]
+            for key, entry in sorted(record.summary.items())
+        ]
+        print(table(["METRIC", "LATEST", "@STEP", "MIN", "@STEP", "MAX", "@STEP"], rows, right=range(1, 7)))
+    if data["attempts"]:
+        print("\nattempts")
+        print(_attempts_table(data["attempts"]))
+    if record.hparams:
+        print("\nhparams")
+        params = flatten(record.hparams)
+        print(table(["", ""], [[key, _value(value)] for key, value in params.items()], header=False, indent=2))
+    return 0
+
+
+def cmd_best(args: argparse.Namespace) -> int:
+    """`perdure runs best METRIC [--max]`: runs ranked by the best value they reached."""
+    registry = Registry(args.root)
+    ranked = registry.best(
+        args.metric, maximize=args.max, lineage=args.lineage, status=args.status, tag=args.tag, limit=args.limit
+    )
+    _report_skipped(registry)
+    if not ranked:
+        known = registry.metrics()
+        if args.metric not in known:
+            close = difflib.get_close_matches(args.metric, known, n=5, cutoff=0.5) or known
+            hint = f"known metrics: {', '.join(close[:10])}" if close else "no run has logged metrics yet"
+            raise RegistryError(f"no run under {registry.root} has metric '{args.metric}'; {hint}")
+        print(f"no runs with '{args.metric}'{_filtered(args)}", file=sys.stderr)
+        return 0
+    stat = "max" if args.max else "min"
+    headers = ["#", "ID", "LINEAGE", "STATUS", f"{args.metric} ({stat})", "@STEP", "UPDATED"]
+    rows = [
+        [str(rank), r.run_id, r.lineage or _EMPTY, r.status, _num(value), _num(r.metric(args.metric, f"{stat}_step"))]
+        + [_when(r.updated)]
+        for rank, (r, value) in enumerate(ranked, start=1)
+    ]
+    print(table(headers, rows, right=(0, 4, 5)))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`perdure runs export FILE.{csv,json,parquet}`."""
+    registry = Registry(args.root)
+    filters = {"lineage": args.lineage, "status": args.status, "tag": args.tag}
+    path = registry.export(args.file, **filters)
+    _report_skipped(registry)
+    print(f"wrote {len(registry.runs(**filters))} run(s) to {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------- formatting
+
+
+def table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    right: Sequence[int] | range = (),
+    header: bool = True,
+    indent: int = 0,
+) -> str:
+    """Aligned columns separated by two spaces; columns in `right` are right-aligned (numbers)."""
+    lines = [list(headers)] if header else []
+    lines += [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
+    right = set(right)
+    out = []
+    for line in lines:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths))]
+        out.append((" " * indent + "  ".join(cells)).rstrip())
+    return "\n".join(out)
+
+
+def _attempts_table(attempts: Sequence[dict[str, Any]]) -> str:
+    headers = ["#", "STARTED", "ENDED", "STATUS", "FROM STEP", "DONE", "LOST", "SAVE S", "RESTARTS", "EXIT"]
+    rows = []
+    for index, attempt in enumerate(attempts, start=1):
+        restarts = ",".join(f"{k}={v}" for k, v in (attempt.get("restart_counts") or {}).items() if v is not None)
+        rows.append(
+            [
+                str(index),
+                _when(attempt.get("started")),
+                _when(attempt.get("ended")),
+                str(attempt.get("status") or _EMPTY),
+                _num(attempt.get("resumed_step")),
+                _num(attempt.get("steps_done")),
+                _num(attempt.get("steps_lost")),
+                _num(attempt.get("save_seconds")),
+                restarts or _EMPTY,
+                str(attempt.get("exit_reason") or _EMPTY),
+            ]
+        )
+    return table(headers, rows, right=(0, 4, 5, 6, 7))
+
+
+def _default_metrics(records: Sequence[RunRecord]) -> list[str]:
+    """Up to two metric columns: the score metric most runs use (`score.split/score.metric`), then `train/loss`,
+    then the most common metrics."""
+    counts: Counter[str] = Counter()
+    scores: Counter[str] = Counter()
+    for record in records:
+        counts.update(list(record.summary))
+        score = record.hparams.get("score") or {}
+        key = f"{score.get('split')}/{score.get('metric')}"
+        if key in record.summary:
+            scores[key] += 1
+    picks = [key for key, _ in scores.most_common(1)]
+    for key in ["train/loss", *(key for key, _ in counts.most_common())]:
+        if key in counts and key not in picks:
+            picks.append(key)
+    return picks[:2]
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return _EMPTY
+    if isinstance(value, float):
+        return f"{value:.5g}"
+    return str(value)
+
+
+def _value(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _when(stamp: Any) -> str:
+    """A sidecar stamp as `YYYY-MM-DD HH:MM:SS` (UTC)."""
+    if not stamp:
+        return _EMPTY
+    seconds = parse_stamp(str(stamp))
+    if seconds is None:
+        return str(stamp)
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _filtered(args: argparse.Namespace) -> str:
+    given = [f"--{name} {getattr(args, name)}" for name in ("lineage", "status", "tag") if getattr(args, name, None)]
+    return f" matching {' '.join(given)}" if given else ""
+
+
+def _report_skipped(registry: Registry) -> None:
+    for issue in registry.last_scan.errors if registry.last_scan else []:
+        print(f"warning: skipped {issue.path}: {issue.reason}", file=sys.stderr)

@@ -1,0 +1,325 @@
+"""`sidecar.json`: a run's status, identity, hparams, summary metrics and attempts, readable without loading anything.
+
+The runner replaces it atomically at every log flush and checkpoint, then touches the `heartbeat` file beside it. The
+run registry is built from sidecars alone. A run whose sidecar says `running` but whose heartbeat is older than a
+threshold is shown as `stale` (the process died without a word: SIGKILL, node failure, ...).
+
+Times are sortable UTC stamps like `20261122T023011.123456Z` (`utc_stamp()`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from perdure.checkpoints.commit import atomic_write_text
+from perdure.errors import PerdureError
+
+SIDECAR_NAME = "sidecar.json"
+HEARTBEAT_NAME = "heartbeat"
+SIDECAR_FORMAT = "perdure-sidecar/1"
+STATUSES = ("running", "completed", "failed", "preempted", "stopped")
+STALE = "stale"
+# Status of an attempt that never recorded its end (the next attempt found it still `running`).
+INTERRUPTED = "interrupted"
+STAMP_FORMAT = "%Y%m%dT%H%M%S.%fZ"
+_STATS = ("latest", "latest_step", "min", "min_step", "max", "max_step")
+
+logger = logging.getLogger("perdure")
+
+
+class SidecarError(PerdureError):
+    """A sidecar file cannot be read or is not a perdure sidecar. `path` and `reason` say which and why."""
+
+    def __init__(self, path: object, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"sidecar {path} is not valid: {reason}")
+
+
+def utc_stamp(when: float | None = None) -> str:
+    """`when` (a POSIX time, default now) as a sortable UTC stamp, e.g. `20261122T023011.123456Z`."""
+    moment = datetime.now(timezone.utc) if when is None else datetime.fromtimestamp(when, timezone.utc)
+    return moment.strftime(STAMP_FORMAT)
+
+
+def parse_stamp(stamp: str) -> float | None:
+    """POSIX time of a stamp written by `utc_stamp` (with or without the fraction); None if it is not one."""
+    for fmt in (STAMP_FORMAT, "%Y%m%dT%H%M%SZ"):
+        try:
+            return datetime.strptime(stamp, fmt).replace(tzinfo=timezone.utc).timestamp()
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+class Sidecar:
+    """The sidecar of one run. Mutate it with `start_attempt`, `record`, `finish_attempt`; persist with `write`.
+
+    Constructing it loads the attempts, summary and checkpoints of an existing `sidecar.json`; a corrupt file is
+    moved aside to `sidecar.json.corrupt-<stamp>` with a warning and a fresh history starts. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        run_id: str,
+        lineage: str,
+        code_id: str | None,
+        config_id: str,
+        hparams: Mapping[str, Any],
+        tags: Sequence[str],
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / SIDECAR_NAME
+        self._lock = threading.RLock()
+        now = utc_stamp()
+        self._data: dict[str, Any] = {
+            "format": SIDECAR_FORMAT,
+            "run_id": run_id,
+            "lineage": lineage,
+            "code_id": code_id,
+            "config_id": config_id,
+            "path": os.path.abspath(self.run_dir),
+            "status": None,
+            "tags": list(tags),
+            "hparams": _plain(hparams),
+            "step": None,
+            "epoch": None,
+            "summary": {},
+            "latest_checkpoint": None,
+            "best_checkpoint": None,
+            "attempts": [],
+            "created": now,
+            "updated": now,
+        }
+        earlier = self._load_earlier()
+        if earlier is not None:
+            for key in ("status", "step", "epoch", "summary", "latest_checkpoint", "best_checkpoint", "attempts"):
+                self._data[key] = earlier.get(key, self._data[key])
+            self._data["created"] = earlier.get("created") or now
+
+    def _load_earlier(self) -> dict[str, Any] | None:
+        if not self.path.exists():
+            return None
+        try:
+            return read_sidecar(self.path)
+        except SidecarError as error:
+            aside = self.path.with_name(f"{SIDECAR_NAME}.corrupt-{utc_stamp()}")
+            os.replace(self.path, aside)
+            logger.warning("%s; moved it to %s and started a fresh run history", error, aside.name)
+            return None
+
+    # ---- mutations ---------------------------------------------------------------------------------------------
+
+    def start_attempt(
+        self,
+        *,
+        started: str,
+        restart_counts: Mapping[str, int | None],
+        resumed_from: str | None,
+        resumed_step: int,
+    ) -> dict[str, Any]:
+        """Append an attempt that starts at `resumed_step` and set the status to `running`. Returns the entry.
+
+        `restart_counts` records e.g. SLURM_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT. `steps_lost` is the work the
+        interruption cost: how far the previous attempt got past the checkpoint this one resumes from. A previous
+        attempt still marked running never recorded its end: it becomes `interrupted`, ended at its last heartbeat.
+        """
+        with self._lock:
+            attempts = self._data["attempts"]
+            previous = attempts[-1] if attempts else None
+            if previous is not None and previous.get("status") == "running":
+                heartbeat = heartbeat_mtime(self.run_dir)
+                previous["status"] = INTERRUPTED
+                previous["exit_reason"] = "ended without recording an exit (killed or crashed)"
+                previous["ended"] = utc_stamp(heartbeat) if heartbeat is not None else None
+            lost = 0
+            if previous is not None:
+                lost = max(int(previous.get("last_step") or 0) - int(resumed_step), 0)
+            attempt = {
+                "started": started,
+                "ended": None,
+                "exit_reason": None,
+                "status": "running",
+                "resumed_from": resumed_from,
+                "resumed_step": int(resumed_step),
+                "restart_counts": dict(restart_counts),
+                "steps_done": 0,
+                "last_step": int(resumed_step),
+                "steps_lost": lost,
+                "save_seconds": 0.0,
+            }
+            attempts.append(attempt)
+            self._data["status"] = "running"
+            self._data["step"] = int(resumed_step)
+            return attempt
+
+    def record(
+        self,
+        *,
+        step: int | None = None,
+        epoch: int | None = None,
+        metrics: Mapping[str, Mapping[str, float]] | None = None,
+        latest_checkpoint: str | None = None,
+        best_checkpoint: str | None = None,
+        save_seconds: float = 0.0,
+    ) -> None:
+        """Record progress: the step / epoch reached, metrics (`{split: {name: value}}`, logged at `step`, default
+        the last step recorded), checkpoints committed and seconds spent saving. Non-finite values count as latest
+        (written as null) but never as min / max."""
+        with self._lock:
+            attempt = self.current_attempt
+            if step is not None:
+                self._data["step"] = int(step)
+                if attempt is not None:
+                    attempt["last_step"] = int(step)
+                    attempt["steps_done"] = max(int(step) - attempt["resumed_step"], 0)
+            if epoch is not None:
+                self._data["epoch"] = int(epoch)
+            if latest_checkpoint is not None:
+                self._data["latest_checkpoint"] = str(latest_checkpoint)
+            if best_checkpoint is not None:
+                self._data["best_checkpoint"] = str(best_checkpoint)
+            if save_seconds and attempt is not None:
+                attempt["save_seconds"] = round(attempt["save_seconds"] + float(save_seconds), 6)
+            at = self._data["step"] if step is None else int(step)
+            for split, values in (metrics or {}).items():
+                for name, value in values.items():
+                    self._update_summary(f"{split}/{name}", _finite(value), at)
+
+    def _update_summary(self, key: str, value: float | None, step: int | None) -> None:
+        entry = {**dict.fromkeys(_STATS), **(self._data["summary"].get(key) or {})}
+        entry["latest"], entry["latest_step"] = value, step
+        if value is not None:
+            if entry["min"] is None or value < entry["min"]:
+                entry["min"], entry["min_step"] = value, step
+            if entry["max"] is None or value > entry["max"]:
+                entry["max"], entry["max_step"] = value, step
+        self._data["summary"][key] = entry
+
+    def finish_attempt(self, status: str, exit_reason: str) -> None:
+        """End the current attempt with `status` (one of `STATUSES` but `running`) and a human `exit_reason`."""
+        if status not in STATUSES or status == "running":
+            raise PerdureError(f"sidecar status {status!r}: finish an attempt with one of {', '.join(STATUSES[1:])}")
+        with self._lock:
+            attempt = self.current_attempt
+            if attempt is None:
+                raise PerdureError("finish_attempt called before start_attempt: no attempt to finish")
+            attempt.update(ended=utc_stamp(), status=status, exit_reason=exit_reason)
+            self._data["status"] = status
+
+    # ---- views and persistence ---------------------------------------------------------------------------------
+
+    @property
+    def current_attempt(self) -> dict[str, Any] | None:
+        """The last attempt entry (the one `record` updates), or None before `start_attempt`."""
+        attempts = self._data["attempts"]
+        return attempts[-1] if attempts else None
+
+    @property
+    def status(self) -> str | None:
+        return self._data["status"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A deep copy of the sidecar as plain JSON-ready data (non-finite floats already null)."""
+        with self._lock:
+            return json.loads(_dumps(self._data))
+
+    def write(self) -> None:
+        """Replace `sidecar.json` atomically (stamping `updated`), then touch the heartbeat."""
+        with self._lock:
+            self._data["updated"] = utc_stamp()
+            text = _dumps(self._data, indent=2) + "\n"
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, text)
+        touch_heartbeat(self.run_dir)
+
+
+def touch_heartbeat(run_dir: Path) -> None:
+    """Set the mtime of `run_dir/heartbeat` to now (creating it): proof the run was alive at this moment."""
+    path = Path(run_dir) / HEARTBEAT_NAME
+    path.touch(exist_ok=True)
+    os.utime(path)
+
+
+def heartbeat_mtime(run_dir: Path) -> float | None:
+    """The mtime of `run_dir/heartbeat`, or None if there is none."""
+    try:
+        return (Path(run_dir) / HEARTBEAT_NAME).stat().st_mtime
+    except OSError:
+        return None
+
+
+def read_sidecar(path: Path) -> dict[str, Any]:
+    """Parse and check a `sidecar.json`; raises `SidecarError` (path and reason) if unreadable or invalid."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise SidecarError(path, "file missing") from None
+    except OSError as error:
+        raise SidecarError(path, f"unreadable: {error}") from None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        raise SidecarError(path, f"not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise SidecarError(path, f"top level is a {type(data).__name__}, not an object")
+    if data.get("format") != SIDECAR_FORMAT:
+        raise SidecarError(path, f"format is {data.get('format')!r}, expected {SIDECAR_FORMAT!r}")
+    expected = {"run_id": str, "config_id": str, "attempts": list, "summary": dict, "tags": list, "hparams": dict}
+    for key, kind in expected.items():
+        if not isinstance(data.get(key), kind):
+            raise SidecarError(path, f"'{key}' is missing or not a {kind.__name__}")
+    if data.get("status") is not None and data["status"] not in STATUSES:
+        raise SidecarError(path, f"unknown status {data['status']!r}")
+    return data
+
+
+def effective_status(
+    sidecar: Mapping[str, Any], heartbeat_mtime: float | None, *, now: float | None = None, stale_after: float = 600.0
+) -> str:
+    """The status to show: the sidecar's, except `stale` for a `running` run whose heartbeat is older than
+    `stale_after` seconds (without a heartbeat, the sidecar's `updated` stamp stands in for it)."""
+    status = sidecar.get("status") or "unknown"
+    if status != "running":
+        return status
+    alive = heartbeat_mtime if heartbeat_mtime is not None else parse_stamp(str(sidecar.get("updated")))
+    if alive is None:
+        return status
+    now = time.time() if now is None else now
+    return STALE if now - alive > stale_after else status
+
+
+# ---------------------------------------------------------------------- JSON helpers
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a float, None when not finite. Accepts tensors / numpy scalars (anything `float()` takes)."""
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _plain(value: Any) -> Any:
+    """Plain JSON-ready data: mappings to dicts, sequences to lists, non-finite floats to None."""
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
+
+
+def _dumps(data: Any, indent: int | None = None) -> str:
+    """Strict JSON (`allow_nan=False`); non-finite floats become null, unknown objects their `str`."""
+    return json.dumps(_plain(data), indent=indent, allow_nan=False, default=str)
