@@ -6,8 +6,19 @@ import logging
 import sys
 from pathlib import Path
 
+from perdure.loggers.progress import ProgressBar
+
 LOGGER_NAME = "perdure"
 _FORMAT = "%(asctime)s %(levelname)s %(message)s"
+
+
+_progress_bar: ProgressBar | None = None
+
+
+def set_progress_bar(bar: ProgressBar | None) -> None:
+    """The progress bar on the console now, which log lines move out of the way; None when there is none."""
+    global _progress_bar
+    _progress_bar = bar
 
 
 class ConsoleHandler(logging.StreamHandler):
@@ -19,7 +30,12 @@ class ConsoleHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.stream = sys.stdout
-        super().emit(record)
+        bar = _progress_bar
+        if bar is None:
+            super().emit(record)
+            return
+        with bar.suspended():
+            super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
         # `python train.py | head`: a closed pipe is not worth a traceback per log line.

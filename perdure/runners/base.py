@@ -40,6 +40,7 @@ from perdure.runners.export import read_weights
 from perdure.runners.optim import build_optimizer, build_scheduler
 from perdure.runners.rng import seed_everything
 from perdure.runners.state import RunnerState
+from perdure.runners.telemetry import RunTelemetry
 from perdure.workspace.run_dir import resolve_run_dir
 
 DEFAULT_STEP_INTERVAL = 500
@@ -115,6 +116,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
             if self.restore_source.kind == "pretrained":
                 self._pretrained_weights = read_weights(self.restore_source.path)
             self.attempt_started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+            self.telemetry = RunTelemetry(self.run_dir, config, self.state, active=self.is_main_process)
             if self.is_main_process:
                 self.run_dir.create()
                 if not self.run_lock.held:
@@ -146,6 +148,12 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self.build_dataloaders()
         self.restore(self.restore_source)
         self.state.attempt += 1
+        self._losses = list(self.state.pending_losses)
+        resumed = self.restore_source
+        self.telemetry.start(
+            attempt=self.attempt_started,
+            resumed_from=str(resumed.info.path) if resumed.info is not None else None,
+        )
         self.wrap_model()
 
     # ---- override points of a stack ----------------------------------------------------------------------------
@@ -250,22 +258,39 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
 
         Whatever happens, saves in flight are drained and the run dir is released before it returns or raises.
         """
+        status, reason = "failed", "unknown"
         try:
             if self.config.training_mode() == "epochs":
                 self.train_epochs()
             else:
                 self.train_steps()
+            status, reason = "completed", "early stop" if self.state.early_stopped else "budget reached"
+        except SystemExit as stop:
+            if self.preemption.requested:
+                status, reason = "preempted", signal.Signals(self.preemption.received).name
+            else:
+                status, reason = "stopped", f"SystemExit({stop.code})"
+            raise
+        except KeyboardInterrupt:
+            status, reason = "stopped", "KeyboardInterrupt"
+            raise
+        except BaseException as error:
+            status, reason = "failed", f"{type(error).__name__}: {error}"
+            raise
         finally:
-            self.close()
+            self.close(status, reason)
         return self.state.results
 
-    def close(self) -> None:
-        """Drain background saves and release the run dir. `train()` calls it; call it yourself only for a runner
-        you built without training it (e.g. with `from_checkpoint` to evaluate) once you are done with it."""
+    def close(self, status: str = "stopped", reason: str = "closed") -> None:
+        """Drain background saves, end the attempt's record and release the run dir. `train()` calls it; call it
+        yourself only for a runner you built without training it (e.g. with `from_checkpoint`) once done with it."""
         try:
             self._report_saves(self.checkpoints.close())
         finally:
-            self.run_lock.release()
+            try:
+                self.telemetry.finish(status, reason)
+            finally:
+                self.run_lock.release()
 
     def train_steps(self) -> None:
         """Train until `global_step` reaches `config.steps` (epochs roll over as the data runs out)."""
@@ -299,6 +324,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         loader = self.dataloaders["train"]
         self.model.train()
         self.checkpoints.start()
+        self.telemetry.begin_training(self.config.steps if self.config.training_mode() == "steps" else None)
         self._clock, self._clock_step = time.perf_counter(), self.state.global_step
         self.preemption.install()
         try:
@@ -360,6 +386,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
             self.ema.update(self.unwrap_model())
         self.state.global_step += 1
         self._losses.append(torch.stack(losses).mean())
+        self.telemetry.step(self.state.global_step)
         self._end_step(epoch_ending=self.state.batch_in_epoch >= (loader.batches_in_epoch() or math.inf))
 
     def _end_step(self, epoch_ending: bool) -> None:
@@ -458,16 +485,17 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self._clock, self._clock_step = now, self.state.global_step
         metrics = {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "steps_per_s": steps_per_second}
         self.log_metrics("train", metrics)
+        self.telemetry.flush()
 
     def log_metrics(self, split: str, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Report metrics of `split` at `step` (default: the current global step). Only the main process logs."""
-        if not self.is_main_process:
-            return
-        step = self.state.global_step if step is None else step
-        budget = self.config.steps if self.config.training_mode() == "steps" else None
-        where = f"step {step}/{budget}" if budget else f"step {step} epoch {self.state.epoch}"
-        text = " ".join(f"{name} {value:.6g}" for name, value in metrics.items())
-        self.logger.info("%s %s: %s", where, split, text)
+        """Report metrics of `split` at `step` (default: the current global step) to the console, the log file,
+        metrics.csv, TensorBoard / W&B and the sidecar. Only the main process reports; others return."""
+        self.telemetry.log_metrics(split, metrics, self.state.global_step if step is None else step)
+
+    def log_image(self, tag: str, image: Any, step: int | None = None) -> None:
+        """Save an image (HW, HWC or CHW; float in [0, 1] or uint8) under `media/<tag>/` and forward it to
+        TensorBoard / W&B. Only the main process writes."""
+        self.telemetry.log_image(tag, image, self.state.global_step if step is None else step)
 
     # ---- construction helpers ----------------------------------------------------------------------------------
 

@@ -63,6 +63,7 @@ class CheckpointingMixin:
             "score": self.state.best_score if self.state.best_step == self.state.global_step else None,
         }
         is_best = self.state.best_step == self.state.global_step
+        self.state.pending_losses = list(self._losses)
         started = time.perf_counter()
         try:
             path = self.checkpoints.save(
@@ -80,8 +81,12 @@ class CheckpointingMixin:
             return None
         self._saved_position = position
         if path is not None:
-            how = "saved" if self.config.ckpt.async_mode == "disabled" else "snapshotted"
-            self.logger.info("%s %s (%s) in %.3fs", how, path.name, reason, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            if self.config.ckpt.async_mode == "disabled":
+                self.logger.info("saved %s (%s) in %.3fs", path.name, reason, seconds)
+                self.telemetry.checkpoint(path.name, seconds=seconds, best=path.name if is_best else None)
+            else:
+                self.logger.info("snapshotted %s (%s) in %.3fs; writing in the background", path.name, reason, seconds)
         return path
 
     def _position_name(self) -> str:
@@ -104,6 +109,8 @@ class CheckpointingMixin:
             if outcome.error is None:
                 self.logger.info("committed %s (%s) in the background in %.2fs", outcome.name, outcome.reason,
                                  outcome.seconds)  # fmt: skip
+                best = read_pointer(self.run_dir.checkpoints, "best")
+                self.telemetry.checkpoint(outcome.name, seconds=outcome.seconds, best=best)
             else:
                 self._save_failed(outcome.name, outcome.reason, outcome.error)
 

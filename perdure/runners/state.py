@@ -27,6 +27,8 @@ class RunnerState:
     patience_count: int = 0
     early_stopped: bool = False
     wandb_run_id: str | None = None
+    # Train losses of the steps since the last log line, so a resumed run logs the same averages.
+    pending_losses: list = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

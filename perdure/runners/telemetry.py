@@ -1,0 +1,139 @@
+"""RunTelemetry: everything a run reports about itself, from the main process.
+
+Console lines (and a progress bar on a terminal), the run's log file, metrics.csv, TensorBoard, W&B, media, the
+metadata of each attempt, and `sidecar.json` with its heartbeat, which the run registry reads. Other ranks get an
+inert instance, so the runner calls it unconditionally.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from perdure.config import RunnerConfig
+from perdure.loggers.base import LoggerGroup, build_loggers
+from perdure.loggers.console import set_progress_bar
+from perdure.loggers.progress import ProgressBar
+from perdure.runners.state import RunnerState
+from perdure.workspace.identity import canonical_config
+from perdure.workspace.metadata import write_metadata
+from perdure.workspace.run_dir import RunDir
+from perdure.workspace.sidecar import Sidecar
+
+RESTART_COUNTERS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+
+logger = logging.getLogger("perdure")
+
+
+class RunTelemetry:
+    """Created by the runner once the run dir exists and is locked; `start` after the restore, `finish` at the end."""
+
+    def __init__(self, run_dir: RunDir, config: RunnerConfig, state: RunnerState, *, active: bool) -> None:
+        self.run_dir = run_dir
+        self.config = config
+        self.state = state
+        self.active = active
+        self.loggers = LoggerGroup(build_loggers(config) if active else [])
+        self.sidecar: Sidecar | None = None
+        self.progress: ProgressBar | None = None
+
+    def start(self, *, attempt: str, resumed_from: str | None) -> None:
+        """Record the attempt (metadata, sidecar entry, restart counters) and open the metric loggers.
+
+        Called after the restore, before the first step or checkpoint: loggers drop what an earlier attempt logged
+        past the resumed step, and W&B puts its run id into the state the next checkpoint carries.
+        """
+        if not self.active:
+            return
+        write_metadata(self.run_dir.path, self.config, attempt)
+        self.sidecar = Sidecar(
+            self.run_dir.path,
+            run_id=self.run_dir.run_id,
+            lineage=self.run_dir.lineage,
+            code_id=self.run_dir.code_id,
+            config_id=self.run_dir.config_id,
+            hparams=canonical_config(self.config),
+            tags=list(self.config.workspace.tags),
+        )
+        restarts = {name: _int_or_none(os.environ.get(name)) for name in RESTART_COUNTERS if name in os.environ}
+        entry = self.sidecar.start_attempt(
+            started=attempt, restart_counts=restarts, resumed_from=resumed_from, resumed_step=self.state.global_step
+        )
+        if entry.get("steps_lost"):
+            logger.info("the interruption cost %d steps (trained, not checkpointed)", entry["steps_lost"])
+        self.loggers.open(self.run_dir.path, resumed_step=self.state.global_step, state=self.state, config=self.config)
+        self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+        self.sidecar.write()
+
+    def begin_training(self, total: int | None) -> None:
+        """The loop starts: show a progress bar on a terminal (rate and ETA measured from here)."""
+        if not self.active:
+            return
+        self.progress = ProgressBar(total, initial=self.state.global_step, mode=self.config.log.progress)
+        if self.progress.enabled:
+            set_progress_bar(self.progress)
+
+    def step(self, step: int) -> None:
+        if self.progress is not None:
+            self.progress.update(step)
+
+    def log_metrics(self, split: str, metrics: Mapping[str, float], step: int) -> None:
+        """One line on the console and in the log file, a row per metric, the sidecar's summary."""
+        if not self.active:
+            return
+        budget = self.config.steps if self.config.training_mode() == "steps" else None
+        where = f"step {step}/{budget}" if budget else f"step {step} epoch {self.state.epoch}"
+        logger.info("%s %s: %s", where, split, " ".join(f"{name} {value:.6g}" for name, value in metrics.items()))
+        self.loggers.log_metrics(split, metrics, step)
+        if self.progress is not None and split == "train":
+            self.progress.update(step, {name: value for name, value in metrics.items() if name == "loss"})
+        if self.sidecar is not None:
+            self.sidecar.record(step=step, epoch=self.state.epoch, metrics={split: metrics})
+
+    def log_image(self, tag: str, image: Any, step: int) -> None:
+        if self.active:
+            self.loggers.log_image(tag, image, step)
+
+    def flush(self) -> None:
+        """At every log interval: loggers flushed, sidecar replaced, heartbeat touched."""
+        if not self.active:
+            return
+        self.loggers.flush()
+        if self.sidecar is not None:
+            self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+            self.sidecar.write()
+
+    def checkpoint(self, name: str, *, seconds: float, best: str | None) -> None:
+        """A checkpoint was committed: loggers made durable up to it, the sidecar names it."""
+        if not self.active:
+            return
+        self.loggers.flush(durable=True)
+        if self.sidecar is not None:
+            self.sidecar.record(latest_checkpoint=name, best_checkpoint=best, save_seconds=seconds)
+            self.sidecar.write()
+
+    def finish(self, status: str, reason: str) -> None:
+        """The attempt ends (completed, failed, preempted, stopped): close everything, record why."""
+        if not self.active:
+            return
+        if self.progress is not None:
+            self.progress.close()
+            set_progress_bar(None)
+            self.progress = None
+        try:
+            self.loggers.close()
+        finally:
+            if self.sidecar is not None:
+                self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+                self.sidecar.finish_attempt(status, reason)
+                self.sidecar.write()
+            self.active = False
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
