@@ -80,3 +80,14 @@ def test_a_batch_outside_the_default_contract_says_how_to_fix_it(tmp_path):
     runner = ResumableRunner(make_config(tmp_path))
     with pytest.raises(PerdureError, match="override train_step"):
         runner.unpack_batch(torch.zeros(3))
+
+
+def test_an_async_save_that_would_not_fit_in_memory_is_made_synchronously(tmp_path, monkeypatch, caplog):
+    import perdure.checkpoints.base as manager_module
+
+    monkeypatch.setattr(manager_module, "available_memory", lambda: 1024)
+    runner = ResumableRunner(make_config(tmp_path, **{"ckpt.async_mode": "thread"}))
+    with caplog.at_level("WARNING", logger="perdure"):
+        runner.train()
+    assert "synchronously" in caplog.text and "host memory" in caplog.text
+    assert runner.checkpoints.last_saved == "ckpt-s000000000006"

@@ -140,3 +140,16 @@ def test_status_transitions_and_the_registry(tmp_path, capsys):
     assert perdure_cli(["runs", "ls", "--root", str(tmp_path)]) == 0
     assert capsys.readouterr().out == listing
     stale.close()
+
+
+def test_a_clean_run_warns_nothing_and_its_log_file_holds_the_console(tmp_path):
+    result = run("resumable.py", tmp_path, "--steps", "20", SLURM_RESTART_COUNT="2")
+    assert_ok(result)
+    assert result.stderr == ""
+    assert " WARNING " not in result.stdout and " ERROR " not in result.stdout
+    (log_file,) = (run_dir(tmp_path) / "logs").iterdir()
+    logged = [line.split(" ", 2)[2] for line in log_file.read_text().splitlines()]  # "date time LEVEL ..."
+    shown = [line.split(" ", 1)[1] for line in result.stdout.splitlines()]  # "time LEVEL ..."
+    assert shown and logged == shown
+    attempt = read_sidecar(run_dir(tmp_path) / "sidecar.json")["attempts"][0]
+    assert attempt["restart_counts"] == {"SLURM_RESTART_COUNT": 2}

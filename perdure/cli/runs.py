@@ -130,6 +130,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     if data["attempts"]:
         print("\nattempts")
         print(_attempts_table(data["attempts"]))
+        failures = [(i, f) for i, a in enumerate(data["attempts"], start=1) for f in a.get("save_failures") or []]
+        if failures:
+            print("\nfailed saves")
+            print(table(["#", "CHECKPOINT", "ERROR"], [[str(i), f["checkpoint"], f["error"]] for i, f in failures]))
     if record.hparams:
         print("\nhparams")
         params = flatten(record.hparams)

@@ -117,6 +117,7 @@ class CheckpointingMixin:
     def _save_failed(self, name: str, reason: str, error: str) -> None:
         """A save failed: always reported; raised for final / preemption saves and with `ckpt.on_error=raise`."""
         self.save_failures.append(f"{name}: {error}")
+        self.telemetry.save_failed(name, error)
         message = (
             f"checkpoint {name} ({reason}) failed: {error}. Its partial directory was removed and every committed "
             f"checkpoint is intact (latest: {read_pointer(self.run_dir.checkpoints, 'latest')})."

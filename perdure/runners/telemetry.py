@@ -114,6 +114,12 @@ class RunTelemetry:
             self.sidecar.record(latest_checkpoint=name, best_checkpoint=best, save_seconds=seconds)
             self.sidecar.write()
 
+    def save_failed(self, name: str, error: str) -> None:
+        """A save failed: the attempt's record says so at once (the run's status tells it at the end)."""
+        if self.active and self.sidecar is not None:
+            self.sidecar.record_save_failure(name, error)
+            self.sidecar.write()
+
     def finish(self, status: str, reason: str) -> None:
         """The attempt ends (completed, failed, preempted, stopped): close everything, record why."""
         if not self.active:

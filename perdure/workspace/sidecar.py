@@ -157,6 +157,7 @@ class Sidecar:
                 "last_step": int(resumed_step),
                 "steps_lost": lost,
                 "save_seconds": 0.0,
+                "save_failures": [],
             }
             attempts.append(attempt)
             self._data["status"] = "running"
@@ -205,6 +206,13 @@ class Sidecar:
             if entry["max"] is None or value > entry["max"]:
                 entry["max"], entry["max_step"] = value, step
         self._data["summary"][key] = entry
+
+    def record_save_failure(self, name: str, error: str) -> None:
+        """A checkpoint save of this attempt failed: kept in the attempt so `perdure runs show` tells it."""
+        with self._lock:
+            attempt = self.current_attempt
+            if attempt is not None:
+                attempt.setdefault("save_failures", []).append({"checkpoint": name, "error": error, "at": utc_stamp()})
 
     def finish_attempt(self, status: str, exit_reason: str) -> None:
         """End the current attempt with `status` (one of `STATUSES` but `running`) and a human `exit_reason`."""

@@ -3,6 +3,7 @@ reported, and training goes on (periodic saves, `ckpt.on_error=warn`) or the exi
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import uuid
@@ -47,6 +48,8 @@ def test_failed_periodic_save_warns_and_training_goes_on(reference, tmp_path, mo
     names = assert_committed_intact(tmp_path)
     assert "ckpt-s000000000020" not in names and "ckpt-s000000000040" in names
     assert_same_weights(final_weights(reference), final_weights(tmp_path))
+    attempt = json.loads((run_dir(tmp_path) / "sidecar.json").read_text())["attempts"][-1]
+    assert [failure["checkpoint"] for failure in attempt["save_failures"]] == ["ckpt-s000000000020"]
 
 
 def test_failed_save_with_on_error_raise_exits_non_zero(tmp_path):
