@@ -56,7 +56,7 @@ def test_accumulation_counts_optimizer_steps(tmp_path):
     runner.train()
     assert runner.global_step == 6
     # 100 samples / batch 8 = 13 batches per epoch: windows of 4, 4, 4, 1
-    assert runner.state.epoch == 1 and runner.state.batch_in_epoch == 8
+    assert runner.state.epoch == 1 and runner.state.samples_in_epoch == 64
 
 
 def test_evaluation_is_bounded_in_step_mode(tmp_path):

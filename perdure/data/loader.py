@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from perdure.data.batch import batch_length
 from perdure.data.sampler import ResumableSampler
 
 # torchdata 0.11 calls a deprecated torch API each time an iterator is created; it is not the user's concern.
@@ -72,32 +73,32 @@ class ResumableLoader:
     def is_iterable(self) -> bool:
         return self.sampler is None
 
-    def batches_in_epoch(self) -> int | None:
-        """Batches one rank reads in a whole epoch, or None when the dataset has no length."""
+    def samples_per_epoch(self) -> int | None:
+        """Samples all ranks together read in a whole epoch, or None when the dataset has no length."""
         if self.sampler is None:
             return None
-        samples = self.sampler.total_size // self.world_size
         if self.loader.drop_last:
-            return samples // self.batch_size
-        return -(-samples // self.batch_size)
+            per_rank = (self.sampler.total_size // self.world_size) // self.batch_size * self.batch_size
+            return per_rank * self.world_size
+        return self.sampler.total_size
 
-    def iter_epoch(self, epoch: int, batches_done: int = 0) -> Iterator[Any]:
-        """An iterator over epoch `epoch` that skips the `batches_done` batches every rank already consumed."""
+    def global_samples(self, batch: Any) -> int:
+        """Samples one batch of this rank stands for across all ranks (every rank reads batches of equal size)."""
+        return batch_length(batch) * self.world_size
+
+    def iter_epoch(self, epoch: int, samples_done: int = 0) -> Iterator[Any]:
+        """An iterator over epoch `epoch` that skips the `samples_done` samples all ranks together consumed."""
         self.generator.manual_seed(self.seed * 1_000_003 + epoch)
         if self.sampler is not None:
-            self.sampler.set_epoch(epoch, batches_done * self.batch_size * self.world_size)
+            self.sampler.set_epoch(epoch, samples_done)
         elif self._iterable_state is not None:
             self.loader.load_state_dict(self._iterable_state)
             self._iterable_state = None
         return iter(self.loader)
 
-    def position(self, epoch: int, batches_done: int) -> dict[str, Any]:
-        """The rank-local data position to checkpoint, for an epoch and the batches of it already consumed."""
-        state: dict[str, Any] = {
-            "epoch": epoch,
-            "offset": batches_done * self.batch_size * self.world_size,
-            "world_size": self.world_size,
-        }
+    def position(self, epoch: int, samples_done: int) -> dict[str, Any]:
+        """The rank-local data position to checkpoint, for an epoch and the samples of it all ranks consumed."""
+        state: dict[str, Any] = {"epoch": epoch, "offset": samples_done, "world_size": self.world_size}
         if self.is_iterable:
             state["loader"] = self.loader.state_dict()
         return state

@@ -329,7 +329,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self.preemption.install()
         try:
             while not (done() or self.stop_requested()):
-                epoch_started = self.state.batch_in_epoch == 0
+                epoch_started = self.state.samples_in_epoch == 0
                 consumed = 0
                 for window in self._accumulation_windows(loader):
                     consumed += len(window)
@@ -351,7 +351,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         """Groups of `accum_steps` micro-batches; an epoch's last window may be shorter and is stepped as is."""
         accum = self.config.accum_steps
         window: list[Any] = []
-        for batch in loader.iter_epoch(self.state.epoch, self.state.batch_in_epoch):
+        for batch in loader.iter_epoch(self.state.epoch, self.state.samples_in_epoch):
             window.append(batch)
             if len(window) == accum:
                 yield window
@@ -369,7 +369,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
                 loss = output["loss"] if isinstance(output, Mapping) else output
                 self.backward(loss / len(window))
             losses.append(loss.detach())
-        self.state.batch_in_epoch += len(window)
+        self.state.samples_in_epoch += sum(loader.global_samples(batch) for batch in window)
         self.checkpoints.wait_for_snapshots()  # an async save may still be copying what the step will change
         stepped = self.optimizer_step()
         if not stepped:
@@ -387,7 +387,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self.state.global_step += 1
         self._losses.append(torch.stack(losses).mean())
         self.telemetry.step(self.state.global_step)
-        self._end_step(epoch_ending=self.state.batch_in_epoch >= (loader.batches_in_epoch() or math.inf))
+        self._end_step(epoch_ending=self.state.samples_in_epoch >= (loader.samples_per_epoch() or math.inf))
 
     def _end_step(self, epoch_ending: bool) -> None:
         step = self.state.global_step
@@ -411,7 +411,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
 
     def _end_epoch(self) -> None:
         self.state.epoch += 1
-        self.state.batch_in_epoch = 0
+        self.state.samples_in_epoch = 0
         if self.config.training_mode() != "epochs":
             return
         epoch = self.state.epoch

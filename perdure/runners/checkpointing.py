@@ -51,14 +51,14 @@ class CheckpointingMixin:
         manifest. Async modes return as soon as the snapshot is handed over. A failed save is reported and, unless it
         is a final or preemption save or `ckpt.on_error=raise`, training goes on."""
         self._report_saves(self.checkpoints.take_outcomes())
-        position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
+        position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
         if position == self._saved_position or self.state.global_step == 0:
             return None
         name = self._position_name()
         meta = {
             "global_step": self.state.global_step,
             "epoch": self.state.epoch,
-            "batch_in_epoch": self.state.batch_in_epoch,
+            "samples_in_epoch": self.state.samples_in_epoch,
             "reason": reason,
             "score": self.state.best_score if self.state.best_step == self.state.global_step else None,
         }
@@ -91,7 +91,7 @@ class CheckpointingMixin:
 
     def _position_name(self) -> str:
         """The checkpoint name of the current position: `ckpt-e…` at an epoch end in epoch mode, else `ckpt-s…`."""
-        if self.config.training_mode() == "epochs" and self.state.batch_in_epoch == 0:
+        if self.config.training_mode() == "epochs" and self.state.samples_in_epoch == 0:
             return checkpoint_name(epoch=self.state.epoch)
         return checkpoint_name(step=self.state.global_step)
 
@@ -133,7 +133,7 @@ class CheckpointingMixin:
         self.logger.info("%s", source.describe())
         if source.kind in ("resume", "checkpoint"):
             self.checkpoints.load(source.info, self.checkpoint_states(), self.checkpoint_local_states())
-            self._saved_position = (self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
+            self._saved_position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
         elif source.kind == "pretrained":
             self.unwrap_model().load_state_dict(self._pretrained_weights)
             del self._pretrained_weights
@@ -202,7 +202,7 @@ class _DataPosition:
 
     def state_dict(self) -> dict[str, Any]:
         state = self.runner.state
-        return {"train": self.runner.dataloaders["train"].position(state.epoch, state.batch_in_epoch)}
+        return {"train": self.runner.dataloaders["train"].position(state.epoch, state.samples_in_epoch)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.runner.dataloaders["train"].restore(state["train"])

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
+
+from perdure.data.batch import batch_length
 
 
 class EvaluationMixin:
@@ -36,7 +37,7 @@ class EvaluationMixin:
                     break
                 with self.autocast():
                     metrics = self.evaluate_step(batch)
-                weight = _batch_size(batch)
+                weight = batch_length(batch)
                 for name, value in metrics.items():
                     totals[name] = totals.get(name, 0.0) + float(value) * weight
                 count += weight
@@ -92,13 +93,3 @@ class EvaluationMixin:
                 self.state.best_score,
                 self.state.best_step,
             )
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        return _batch_size(next(iter(batch.values())))
-    if isinstance(batch, (tuple, list)) and batch:
-        return _batch_size(batch[0])
-    return 1

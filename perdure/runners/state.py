@@ -10,15 +10,15 @@ from typing import Any
 class RunnerState:
     """Where training stands. Every field is plain data, identical on every rank.
 
-    `batch_in_epoch` counts the micro-batches of the current epoch already consumed, so that a resume continues from
-    the very next batch. `results` keeps every evaluation ever run (keyed by the global step as a string, since the
-    state is stored as JSON-compatible data) and, with `best_score` / `patience_count`, lets early stopping survive a
-    resume.
+    `samples_in_epoch` counts the samples of the current epoch all ranks together already consumed (a global offset),
+    so that a resume continues from the very next sample, on any number of ranks. `results` keeps every evaluation
+    ever run (keyed by the global step as a string, since the state is stored as JSON-compatible data) and, with
+    `best_score` / `patience_count`, lets early stopping survive a resume.
     """
 
     global_step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0
+    samples_in_epoch: int = 0
     attempt: int = 0
     skipped_steps: int = 0
     results: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
