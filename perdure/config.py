@@ -35,6 +35,7 @@ ASYNC_MODES = ("disabled", "thread", "process")
 ON_ERROR = ("warn", "raise")
 WANDB_MODES = ("online", "offline", "disabled")
 PROGRESS_MODES = ("auto", "bar", "lines")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
 
 # Keys holding a path or a name: command-line text is kept verbatim (no YAML typing); "none" / "null" clear them.
@@ -64,6 +65,7 @@ _CHOICES: dict[str, tuple] = {
     "ckpt.on_error": ON_ERROR,
     "wandb.mode": WANDB_MODES,
     "log.progress": PROGRESS_MODES,
+    "dist.backend": DIST_BACKENDS,
 }
 # key: (minimum, None allowed)
 _COUNTS: dict[str, tuple[int, bool]] = {
@@ -157,6 +159,8 @@ class RunnerConfig(chanfig.Config):
         self.wandb.entity = None
         self.wandb.mode = "online"
         self.resilience.exit_code = None  # exit status after a preemption; None: 128 + signal number
+        self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
+        self.dist.timeout = 600  # seconds a collective may wait before the run fails instead of hanging
 
     # ------------------------------------------------------------------ views
 
@@ -322,6 +326,7 @@ class RunnerConfig(chanfig.Config):
         budget = "steps" if steps is not None else "epochs"
         _check_int(budget, get(budget), 1)
         _check_int("seed", get("seed"), None)
+        _check_number("dist.timeout", get("dist.timeout"), "a number of seconds > 0", lambda x: x > 0)
         exit_code = get("resilience.exit_code")
         if exit_code is not None and not (_is_int(exit_code) and 0 <= exit_code <= 255):
             raise ConfigError("resilience.exit_code", exit_code, "use an integer from 0 to 255, or None for 128+signal")

@@ -78,3 +78,52 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_ranks(
+    world_size: int, script: str, root: Path, *args: str, port: int | None = None, **env: str
+) -> list[subprocess.Popen]:
+    """Start `world_size` ranks of a script the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each in
+    its own process, so a test can signal, kill and read the exit status of each rank."""
+    port = port or free_port()
+    processes = []
+    for rank in range(world_size):
+        rank_env = environment(
+            RANK=rank,
+            LOCAL_RANK=rank,
+            WORLD_SIZE=world_size,
+            LOCAL_WORLD_SIZE=world_size,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            **env,
+        )
+        command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *args]
+        processes.append(
+            subprocess.Popen(command, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    return processes
+
+
+def run_ranks(
+    world_size: int, script: str, root: Path, *args: str, timeout: float = 240, **env: str
+) -> list[subprocess.CompletedProcess]:
+    """Run every rank to the end; one CompletedProcess per rank (stdout and stderr together)."""
+    processes = start_ranks(world_size, script, root, *args, **env)
+    results = []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, output, ""))
+    return results

@@ -16,6 +16,7 @@ import torch
 from perdure.checkpoints.async_save import AsyncSaver, SaveJob, SaveOutcome
 from perdure.checkpoints.commit import (
     QUARANTINE_DIR,
+    STAGING_PREFIX,
     FileRecord,
     commit_checkpoint,
     make_staging_dir,
@@ -23,6 +24,7 @@ from perdure.checkpoints.commit import (
     write_file,
     write_pointer,
 )
+from perdure.checkpoints.gather import gather_records, publish_records
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_latest
 from perdure.checkpoints.snapshot import Snapshot, available_memory, snapshot_nbytes
 
@@ -87,8 +89,12 @@ class CheckpointManager(ABC):
         rank: int = 0,
         world_size: int = 1,
         identity: Mapping[str, Any] | None = None,
+        token: str = "",
+        timeout_s: float = 600.0,
     ) -> None:
         self.root = Path(root)
+        self.token = token
+        self.timeout_s = timeout_s
         self.policy = policy
         self.rank = rank
         self.world_size = world_size
@@ -171,16 +177,29 @@ class CheckpointManager(ABC):
         return final
 
     def commit_job(self, job: SaveJob) -> Path:
-        """Write, commit and publish one save, then prune. Runs inline, in the writer thread or writer process."""
+        """Write this rank's share of one save; on rank 0 also commit, publish and prune. Runs inline, in the writer
+        thread or in the writer process. With several ranks they meet in one staging directory (see `gather.py`)."""
         final = self.root / job.name
-        staging = make_staging_dir(self.root, job.name)
+        staging = self._staging_dir(job.name)
         try:
-            files = self.write(staging, job.replicated, job.local)
-            for relative, text in job.texts.items():
-                files[relative] = _write_text_file(staging / relative, text)
+            try:
+                files = self.write(staging, job.replicated, job.local)
+                if self.rank == 0:
+                    for relative, text in job.texts.items():
+                        files[relative] = _write_text_file(staging / relative, text)
+            except BaseException as error:
+                if self.world_size > 1:
+                    publish_records(staging, self.rank, None, f"{type(error).__name__}: {error}")
+                raise
+            if self.world_size > 1:
+                publish_records(staging, self.rank, files)
+                if self.rank != 0:
+                    return final
+                files = gather_records(staging, self.world_size, self.timeout_s)
             commit_checkpoint(staging, final, files, job.meta)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
             raise
         write_pointer(self.root, "latest", job.name)
         if job.is_best:
@@ -188,6 +207,15 @@ class CheckpointManager(ABC):
         self.last_saved = job.name
         self.prune(protected=job.protected | {job.name})
         return final
+
+    def _staging_dir(self, name: str) -> Path:
+        """A fresh staging directory; with several ranks, one whose name every rank derives alike (the attempt token
+        is the same on all ranks and new for every attempt, so a killed attempt's leftovers never mix in)."""
+        if self.world_size == 1:
+            return make_staging_dir(self.root, name)
+        staging = self.root / f"{STAGING_PREFIX}{name}-{self.token}"
+        staging.mkdir(parents=True, exist_ok=True)
+        return staging
 
     def wait_for_snapshots(self) -> None:
         """Block until async snapshots have copied what the optimizer step is about to change."""
@@ -221,11 +249,13 @@ class CheckpointManager(ABC):
         state["_saver"] = None
         return state
 
-    def load(self, info: CheckpointInfo, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> None:
-        """Restore every object from a verified checkpoint, in the mappings' order."""
-        self.read(info.path, states, local_states)
+    def load(self, info: CheckpointInfo, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
+        """Restore every object from a verified checkpoint, in the mappings' order. Returns False when the checkpoint
+        holds no rank-local state for this rank (it was written by fewer ranks)."""
+        found = self.read(info.path, states, local_states)
         if info.path.parent.resolve() == self.root.resolve():
             self.resumed_from = info.name
+        return found
 
     def prune(self, protected: frozenset[str] = frozenset()) -> list[Path]:
         """Apply `keep_latest_k` by scanning the directory, so retention survives restarts.
@@ -273,8 +303,9 @@ class CheckpointManager(ABC):
         """
 
     @abstractmethod
-    def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> None:
-        """Load a verified checkpoint directory into the given objects, in order. Must not write anything."""
+    def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
+        """Load a verified checkpoint directory into the given objects, in order; return whether this rank's local
+        state was there. Collective backends are entered by every rank. Must not write anything."""
 
 
 def _write_text_file(path: Path, text: str) -> FileRecord:

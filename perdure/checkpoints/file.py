@@ -35,22 +35,16 @@ class FileCheckpointManager(CheckpointManager):
         files[name] = write_file(staging / name, lambda f: torch.save(local, f))
         return files
 
-    def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> None:
+    def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
         replicated = torch.load(path / REPLICATED_FILE, map_location="cpu", weights_only=True)
         for key, state in states.items():
             if key in replicated:
                 state.load_state_dict(replicated[key])
         local_path = path / local_file(self.rank)
         if not local_path.exists():
-            logger.warning(
-                "checkpoint %s has no rank-local state for rank %d (it was written by %s ranks): "
-                "RNG and data position for this rank are derived instead",
-                path.name,
-                self.rank,
-                "fewer",
-            )
-            return
+            return False
         local = torch.load(local_path, map_location="cpu", weights_only=True)
         for key, state in local_states.items():
             if key in local:
                 state.load_state_dict(local[key])
+        return True

@@ -40,6 +40,7 @@ class ResumableLoader:
         rank: int = 0,
         world_size: int = 1,
         collate_fn: Callable | None = None,
+        pad: bool = True,
     ) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
@@ -56,6 +57,7 @@ class ResumableLoader:
                 rank=rank,
                 world_size=world_size,
                 drop_last=drop_last,
+                pad=pad,
             )
         self.loader = StatefulDataLoader(
             dataset,

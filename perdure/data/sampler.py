@@ -18,7 +18,8 @@ class ResumableSampler(Sampler[int]):
     by all ranks together in this epoch (`offset`); rank `r` of `world_size` takes positions `offset + r`,
     `offset + r + world_size`, ... of the remaining order. A resume on another world size therefore neither skips nor
     repeats a sample. Without `drop_last` the order is padded by wrapping around so that every rank gets the same
-    number of samples (as `DistributedSampler` does).
+    number of samples (as `DistributedSampler` does); `pad=False` (evaluation) gives each rank its uneven share
+    instead, so no sample is counted twice.
     """
 
     def __init__(
@@ -30,6 +31,7 @@ class ResumableSampler(Sampler[int]):
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = False,
+        pad: bool = True,
     ) -> None:
         if dataset_len <= 0:
             raise ValueError(f"ResumableSampler needs a non-empty dataset, got length {dataset_len}")
@@ -41,6 +43,7 @@ class ResumableSampler(Sampler[int]):
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        self.pad = pad
         self.epoch = 0
         self.offset = 0
 
@@ -54,6 +57,8 @@ class ResumableSampler(Sampler[int]):
         """Samples all ranks together consume in one epoch."""
         if self.drop_last:
             return (self.dataset_len // self.world_size) * self.world_size
+        if not self.pad:
+            return self.dataset_len
         return math.ceil(self.dataset_len / self.world_size) * self.world_size
 
     def epoch_order(self) -> list[int]:

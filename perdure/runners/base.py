@@ -12,6 +12,7 @@ Stack-specific work (device, autocast, gradient scaling, wrapping) lives in the 
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -29,6 +30,7 @@ from perdure.checkpoints.file import FileCheckpointManager
 from perdure.checkpoints.source import choose_restore_source
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
+from perdure.distributed.collectives import any_rank, broadcast_object
 from perdure.errors import PerdureError
 from perdure.loggers.console import EarlyRecords, attach_log_file, get_logger
 from perdure.resilience.run_lock import RunLock
@@ -86,45 +88,32 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self.rank, self.world_size = self.init_distributed()
         seed_everything(config.seed)
 
+        self.run_lock: RunLock | None = None  # held by rank 0 only
+        if not self.is_main_process:
+            self.logger.setLevel(logging.WARNING)  # rank 0 alone reports progress
         early_records = EarlyRecords()  # what is logged before the log file exists still reaches it
         self.logger.addHandler(early_records)
-        self.run_dir = resolve_run_dir(config, type(self).__name__)
-        # One live process per run dir. Taken before the resolve (which quarantines leftover staging directories,
-        # a live run's saves in progress); a run dir that does not exist yet is locked right after it is created.
-        self.run_lock = RunLock(self.run_dir.path)
         try:
-            if self.is_main_process and self.run_dir.path.exists():
-                self.run_lock.acquire()
-            self.checkpoints = self.checkpoint_manager_class(
-                self.run_dir.checkpoints,
-                CheckpointPolicy.from_config(config.ckpt),
-                rank=self.rank,
-                world_size=self.world_size,
-                identity={"config_id": self.run_dir.config_id, "code_id": self.run_dir.code_id},
-            )
-            # Decided before anything is written, so a refused restore leaves no trace.
-            self.restore_source = choose_restore_source(
-                self.checkpoints.resolve(),
-                run_dir=self.run_dir.path,
-                resume=config.resume,
-                checkpoint=config.checkpoint,
-                pretrained=config.pretrained,
-                quarantined=self.checkpoints.quarantined,
-            )
-            if self.restore_source.info is not None:
-                self._check_same_config(self.restore_source.info)
+            # Rank 0 decides where the run lives, when this attempt started and what it restores from; the others
+            # follow, or fail with the same message.
+            decision = self._decide_run() if self.is_main_process else ("", None)
+            shared = decision
+            if decision[0] == "error":  # exceptions travel as text: not every one pickles
+                shared = ("error", f"{type(decision[1]).__name__} on rank 0: {decision[1]}")
+            outcome, value = broadcast_object(shared)
+            if outcome == "error":
+                raise decision[1] if self.is_main_process else PerdureError(value)
+            self.run_dir, self.attempt_started, self.restore_source = value
+            self.checkpoints = self._checkpoint_manager(self.attempt_started)
             if self.restore_source.kind == "pretrained":
                 self._pretrained_weights = read_weights(self.restore_source.path)
-            self.attempt_started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
             self.telemetry = RunTelemetry(self.run_dir, config, self.state, active=self.is_main_process)
             if self.is_main_process:
-                self.run_dir.create()
-                if not self.run_lock.held:
-                    self.run_lock.acquire()
                 self._log_file = attach_log_file(self.run_dir.logs / f"{self.attempt_started}.log")
                 early_records.replay_into(self._log_file)
         except BaseException:
-            self.run_lock.release()
+            if self.run_lock is not None:
+                self.run_lock.release()
             raise
         finally:
             self.logger.removeHandler(early_records)
@@ -132,6 +121,53 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self._losses: list[torch.Tensor] = []
         self._clock = time.perf_counter()
         self._clock_step = 0
+
+    def _decide_run(self) -> tuple[str, Any]:
+        """Rank 0: lock the run dir, resolve its checkpoints, decide the restore source, create the directories.
+
+        Returns ("ok", (run_dir, attempt, source)) or ("error", the exception), to be broadcast. Everything that can
+        refuse the run happens before anything is created, so a refused start leaves no trace.
+        """
+        try:
+            run_dir = resolve_run_dir(self.config, type(self).__name__)
+            # One live process per run dir. Taken before the resolve (which quarantines leftover staging
+            # directories: a live run's saves in progress); a new run dir is locked right after it is created.
+            self.run_lock = RunLock(run_dir.path)
+            if run_dir.path.exists():
+                self.run_lock.acquire()
+            self.run_dir = run_dir
+            manager = self._checkpoint_manager()
+            source = choose_restore_source(
+                manager.resolve(),
+                run_dir=run_dir.path,
+                resume=self.config.resume,
+                checkpoint=self.config.checkpoint,
+                pretrained=self.config.pretrained,
+                quarantined=manager.quarantined,
+            )
+            if source.info is not None:
+                self._check_same_config(source.info)
+            if source.kind == "pretrained":
+                read_weights(source.path)  # unreadable weights are refused before anything is written
+            run_dir.create()
+            if not self.run_lock.held:
+                self.run_lock.acquire()
+            attempt = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+            return "ok", (run_dir, attempt, source)
+        except Exception as error:
+            return "error", error
+
+    def _checkpoint_manager(self, token: str = "") -> CheckpointManager:
+        """This run's checkpoint manager; `token` (the attempt's timestamp, equal on all ranks) names staging dirs."""
+        return self.checkpoint_manager_class(
+            self.run_dir.checkpoints,
+            CheckpointPolicy.from_config(self.config.ckpt),
+            rank=self.rank,
+            world_size=self.world_size,
+            identity={"config_id": self.run_dir.config_id, "code_id": self.run_dir.code_id},
+            token=token,
+            timeout_s=self.config.dist.timeout,
+        )
 
     def __post_init__(self) -> None:
         """Called once after the user's `__init__`: fill in defaults, place the model, build loaders, restore."""
@@ -290,7 +326,8 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
             try:
                 self.telemetry.finish(status, reason)
             finally:
-                self.run_lock.release()
+                if self.run_lock is not None:
+                    self.run_lock.release()
 
     def train_steps(self) -> None:
         """Train until `global_step` reaches `config.steps` (epochs roll over as the data runs out)."""
@@ -428,7 +465,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
 
         Distributed stacks override it so that all ranks agree. Must not save or exit: the loop does that.
         """
-        return self.preemption.requested
+        return any_rank(self.preemption.requested) if self.world_size > 1 else self.preemption.requested
 
     def _finish(self) -> None:
         """Training is over (budget or early stop): final checkpoint, drain, export."""

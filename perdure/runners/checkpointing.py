@@ -18,7 +18,7 @@ from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError
 from perdure.loggers.console import get_logger
 from perdure.runners.export import export_weights, read_weights
-from perdure.runners.rng import RNGState
+from perdure.runners.rng import RNGState, derived_seed, seed_everything
 from perdure.workspace.identity import canonical_config, config_diff
 from perdure.workspace.run_dir import resolve_run_dir
 
@@ -132,7 +132,17 @@ class CheckpointingMixin:
         """Load what `choose_restore_source` decided, in the order state, model, EMA, optimizer, scheduler, data."""
         self.logger.info("%s", source.describe())
         if source.kind in ("resume", "checkpoint"):
-            self.checkpoints.load(source.info, self.checkpoint_states(), self.checkpoint_local_states())
+            if not self.checkpoints.load(source.info, self.checkpoint_states(), self.checkpoint_local_states()):
+                seed = derived_seed(self.config.seed, self.rank, self.state.global_step)
+                seed_everything(seed)
+                self.logger.warning(
+                    "%s was written by %s ranks and holds no state for rank %d: its RNGs are seeded from (seed, rank, "
+                    "step) = %d instead; its data position comes from the replicated state",
+                    source.info.name,
+                    source.info.manifest.get("world_size"),
+                    self.rank,
+                    seed,
+                )
             self._saved_position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
         elif source.kind == "pretrained":
             self.unwrap_model().load_state_dict(self._pretrained_weights)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from perdure.data.batch import batch_length
+from perdure.distributed.collectives import sum_over_ranks
 
 
 class EvaluationMixin:
@@ -45,8 +46,11 @@ class EvaluationMixin:
         return self.reduce_metrics(totals, count)
 
     def reduce_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
-        """Turn weighted sums into means. Distributed stacks sum `totals` and `count` over ranks first."""
-        return {name: total / max(count, 1) for name, total in totals.items()}
+        """Turn weighted sums into means, after summing `totals` and `count` over every rank (each evaluates its own
+        share of the split, uneven shares included)."""
+        names = sorted(totals)
+        *sums, count = sum_over_ranks([totals[name] for name in names] + [float(count)])
+        return {name: total / max(count, 1) for name, total in zip(names, sums)}
 
     def infer(self, split: str) -> torch.Tensor:
         """Concatenated `infer_step` outputs over a whole split, in order."""

@@ -1,4 +1,4 @@
-"""TorchRunner: plain PyTorch on one device (DDP comes with the distributed stack)."""
+"""TorchRunner: plain PyTorch on one device, or DistributedDataParallel under torchrun (NCCL on CUDA, gloo on CPU)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,22 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from perdure.checkpoints.base import Stateful
+from perdure.distributed.collectives import all_ranks
+from perdure.distributed.process_group import init_process_group, local_device
 from perdure.runners.base import BaseRunner
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TorchRunner(BaseRunner):
-    """CUDA when present, else CPU; autocast for bf16 / fp16, a GradScaler for fp16; clipping and the finite check."""
+    """CUDA when present, else CPU; autocast for bf16 / fp16, a GradScaler for fp16; clipping and the finite check.
+
+    Launched with torchrun (WORLD_SIZE > 1) it joins the process group and wraps the model in DDP; the same program
+    runs unchanged on one process.
+    """
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -24,9 +31,25 @@ class TorchRunner(BaseRunner):
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
 
+    def init_distributed(self) -> tuple[int, int]:
+        return init_process_group(self.config.dist.backend, self.config.dist.timeout)
+
     def select_device(self) -> torch.device:
-        """Called in `__init__`: the device this process trains on."""
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        """Called in `__init__`: the device this process trains on (its LOCAL_RANK's GPU, else the CPU)."""
+        return local_device()
+
+    def wrap_model(self) -> None:
+        if self.world_size > 1:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.model, device_ids=device_ids)
+
+    def unwrap_model(self) -> torch.nn.Module:
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
+        if isinstance(self.model, DistributedDataParallel) and not last_micro_batch:
+            return self.model.no_sync()
+        return nullcontext()
 
     def place_model(self) -> None:
         self.model.to(self.device)
@@ -56,6 +79,8 @@ class TorchRunner(BaseRunner):
             finite = bool(torch.isfinite(norm))
         elif self.config.skip_nonfinite_grad and grads:
             finite = bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True)))
+        if self.world_size > 1:
+            finite = all_ranks(finite)  # all-reduced gradients agree already; this makes the skip a joint decision
         if self.scaler is not None:
             if finite:
                 self.scaler.step(optimizer)

@@ -1,0 +1,69 @@
+"""The few collectives the runner's agreement needs. Each is a no-op in a single process.
+
+Every decision that changes control flow (stop after a signal, skip a step, where to resume from) goes through one
+of these, so all ranks take the same branch; the process group's timeout keeps a missing rank from hanging the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_object(value: T, src: int = 0) -> T:
+    """`value` as rank `src` has it, on every rank."""
+    if not is_distributed():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_object(value: Any) -> list[Any]:
+    if not is_distributed():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is True on at least one."""
+    if not is_distributed():
+        return flag
+    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
+def all_ranks(flag: bool) -> bool:
+    """True on every rank only when it is True on all of them."""
+    return not any_rank(not flag)
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise sums of a list of numbers over all ranks (float64)."""
+    if not is_distributed() or not values:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
