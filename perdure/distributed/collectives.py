@@ -41,13 +41,18 @@ def all_gather_object(value: Any) -> list[Any]:
     return gathered
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest of an integer over all ranks, on every rank."""
+    if not is_distributed():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is True on at least one."""
-    if not is_distributed():
-        return flag
-    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    return bool(max_over_ranks(1 if flag else 0))
 
 
 def all_ranks(flag: bool) -> bool:

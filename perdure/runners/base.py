@@ -30,7 +30,7 @@ from perdure.checkpoints.file import FileCheckpointManager
 from perdure.checkpoints.source import choose_restore_source
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
-from perdure.distributed.collectives import any_rank, broadcast_object
+from perdure.distributed.collectives import broadcast_object, max_over_ranks
 from perdure.errors import PerdureError
 from perdure.loggers.console import EarlyRecords, attach_log_file, get_logger
 from perdure.resilience.run_lock import RunLock
@@ -85,6 +85,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self.save_failures: list[str] = []
         self._ending = False
         self.preemption = PreemptionHandler()
+        self.stop_signal = 0  # the signal all ranks agreed to stop for (0: none)
         self.rank, self.world_size = self.init_distributed()
         seed_everything(config.seed)
 
@@ -302,8 +303,8 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
                 self.train_steps()
             status, reason = "completed", "early stop" if self.state.early_stopped else "budget reached"
         except SystemExit as stop:
-            if self.preemption.requested:
-                status, reason = "preempted", signal.Signals(self.preemption.received).name
+            if self.stop_signal:
+                status, reason = "preempted", signal.Signals(self.stop_signal).name
             else:
                 status, reason = "stopped", f"SystemExit({stop.code})"
             raise
@@ -465,7 +466,9 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
 
         Distributed stacks override it so that all ranks agree. Must not save or exit: the loop does that.
         """
-        return any_rank(self.preemption.requested) if self.world_size > 1 else self.preemption.requested
+        received = self.preemption.received or 0
+        self.stop_signal = max_over_ranks(received) if self.world_size > 1 else received
+        return self.stop_signal != 0
 
     def _finish(self) -> None:
         """Training is over (budget or early stop): final checkpoint, drain, export."""
@@ -484,7 +487,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
 
     def _stop_for_preemption(self) -> None:
         """A signal asked to stop: save this step, drain the writer, exit with 128 + signal (or the configured code)."""
-        signum = self.preemption.received
+        signum = self.stop_signal
         self._ending = True
         self.logger.warning(
             "received %s: checkpointing step %d and exiting", signal.Signals(signum).name, self.state.global_step

@@ -1,7 +1,8 @@
 """A small training program the resume and fault tests launch in subprocesses.
 
 Environment knobs (tests only):
-  LOSS_LOG      append one JSON line per micro-batch: position and the loss as an exact float hex
+  LOSS_LOG      append one JSON line per micro-batch: position and the loss as an exact float hex ("{rank}" in the
+                path is replaced by the rank, for multi-rank runs); with SAMPLE_LOG also the sample indices
   STEP_SLEEP    seconds to sleep per micro-batch, so an outside SIGKILL lands mid-run
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (a deterministic hard death)
   FAULT         POINT:N — inject a fault at the N-th pass through a point of the checkpoint code
@@ -49,6 +50,8 @@ class Synthetic(Dataset):
         return len(self.inputs)
 
     def __getitem__(self, index):
+        if os.environ.get("SAMPLE_LOG"):
+            return {"input": self.inputs[index], "target": self.targets[index], "index": index}
         return self.inputs[index], self.targets[index]
 
 
@@ -62,7 +65,7 @@ class ResumableRunner(Runner):
         self.criterion = nn.CrossEntropyLoss()
         self.datasets["train"] = Synthetic(config.dataset_size, seed=1)
         self.datasets["val"] = Synthetic(40, seed=2)
-        self.loss_log = os.environ.get("LOSS_LOG")
+        self.loss_log = os.environ.get("LOSS_LOG", "").replace("{rank}", str(self.rank)) or None
         self.step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
         self.kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
         self._position = None
@@ -78,6 +81,8 @@ class ResumableRunner(Runner):
         if self.loss_log:
             with open(self.loss_log, "a") as log:
                 record = {"epoch": position[0], "step": position[1], "micro": self._micro, "loss": loss.item().hex()}
+                if isinstance(batch, dict):
+                    record["samples"] = batch["index"].tolist()
                 log.write(json.dumps(record) + "\n")
         if self.step_sleep:
             time.sleep(self.step_sleep)
