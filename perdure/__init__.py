@@ -4,6 +4,7 @@ from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy
 from perdure.checkpoints.file import FileCheckpointManager
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
+from perdure.data.sample_folder import SampleFolder, write_sample_folder
 from perdure.data.sampler import ResumableSampler
 from perdure.errors import (
     CheckpointCorruptError,
@@ -35,6 +36,8 @@ __all__ = [
     "Runner",
     "RunnerConfig",
     "RunnerState",
+    "SampleFolder",
     "StackNotAvailableError",
     "TorchRunner",
+    "write_sample_folder",
 ]
