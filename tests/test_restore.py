@@ -8,16 +8,11 @@ import torch
 from perdure import CheckpointError, ConfigError, ResumeError, StackNotAvailableError
 from tests.runs import assert_same_weights, run_dir
 from tests.scripts.resumable import Config, ResumableRunner
+from tests.scripts.resumable import make_config as resumable_config
 
 
 def make_config(root, **overrides) -> Config:
-    config = Config()
-    config.workspace.root = str(root)
-    config.steps = 12
-    config.ckpt.interval = 4
-    for key, value in overrides.items():
-        config[key] = value
-    return config
+    return resumable_config(root, **{"steps": 12, "ckpt.interval": 4, **overrides})
 
 
 def train(root, **overrides) -> ResumableRunner:

@@ -9,16 +9,11 @@ import torch
 
 from perdure import PerdureError
 from tests.scripts.resumable import Config, ResumableRunner
+from tests.scripts.resumable import make_config as resumable_config
 
 
 def make_config(root, **overrides) -> Config:
-    config = Config()
-    config.workspace.root = str(root)
-    config.steps = 6
-    config.ckpt.interval = 3
-    for key, value in overrides.items():
-        config[key] = value
-    return config
+    return resumable_config(root, **{"steps": 6, "ckpt.interval": 3, **overrides})
 
 
 class NaNAtStep(ResumableRunner):

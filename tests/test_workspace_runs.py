@@ -19,16 +19,11 @@ from perdure.registry import Registry
 from perdure.workspace.sidecar import read_sidecar
 from tests.runs import SCRIPTS, assert_ok, environment, run, run_dir
 from tests.scripts.resumable import Config, ResumableRunner
+from tests.scripts.resumable import make_config as resumable_config
 
 
 def make_config(root, **overrides) -> Config:
-    config = Config()
-    config.workspace.root = str(root)
-    config.steps = 8
-    config.ckpt.interval = 4
-    for key, value in overrides.items():
-        config[key] = value
-    return config
+    return resumable_config(root, **{"steps": 8, "ckpt.interval": 4, **overrides})
 
 
 def train(root, **overrides):

@@ -38,6 +38,15 @@ class Config(RunnerConfig):
         self.dropout = 0.2
 
 
+def make_config(root, **settings) -> Config:
+    """A config for in-process tests: workspace under `root`, then `dotted.key=value` settings in order."""
+    config = Config()
+    config.workspace.root = str(root)
+    for key, value in settings.items():
+        config[key] = value
+    return config
+
+
 class Synthetic(Dataset):
     """Deterministic samples: a fixed random regression-to-class problem."""
 
