@@ -56,7 +56,7 @@ def shown(path: Path) -> str:
 class Training:
     """`examples/mlp.py` in a subprocess; its output is echoed, indented, as it arrives."""
 
-    def __init__(self, root: Path, delay: float, echo=lambda line: True):
+    def __init__(self, root: Path, delay: float, echo=lambda line: True, nproc: int = 1):
         self.root = root
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         prefix = ""
@@ -65,10 +65,20 @@ class Training:
             prefix = f"MLP_STEP_DELAY={delay} "
         self.command = [sys.executable, str(EXAMPLE), "--workspace.root", str(root)]
         shown_command = ["python", shown(EXAMPLE), "--workspace.root", shown(root)]
+        if nproc > 1:  # DDP on the CPU (gloo): the same program under torchrun
+            launcher = ["--standalone", f"--nproc_per_node={nproc}"]
+            self.command = [sys.executable, "-m", "torch.distributed.run", *launcher, *self.command[1:]]
+            shown_command = ["torchrun", *launcher, *shown_command[1:]]
         say(f"  $ {prefix}{shlex.join(shown_command)}")
         self.lines: list[str] = []
         self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            self.command,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # its own process group: a kill reaches every rank
         )
         self.reader = threading.Thread(target=self._read, args=(echo,), daemon=True)
         self.reader.start()
@@ -86,7 +96,7 @@ class Training:
         return code
 
     def kill(self) -> int:
-        self.process.send_signal(signal.SIGKILL)
+        os.killpg(self.process.pid, signal.SIGKILL)
         return self.wait()
 
     def output(self) -> str:
@@ -170,6 +180,7 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=Path("runs/demo"), help="demo directory (wiped first)")
     parser.add_argument("--step-delay", type=float, default=0.01, help="seconds slept per batch before the kill")
     parser.add_argument("--kill-after", type=int, default=2, help="committed checkpoints to wait for before the kill")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks: above 1, every run is DDP under torchrun (gloo)")
     args = parser.parse_args()
     started = time.monotonic()
     prepare(args.root)
@@ -179,7 +190,7 @@ def main() -> None:
     say("itself, and its final weights are compared with those of a run that was never interrupted.")
 
     step(1, f"Start training: examples/mlp.py, {STEPS} steps, a checkpoint every 50 (slowed down to be killable)")
-    run = Training(interrupted, args.step_delay)
+    run = Training(interrupted, args.step_delay, nproc=args.nproc)
     while len(committed(interrupted)) < args.kill_after:
         if run.process.poll() is not None:
             fail(f"training exited with status {run.process.returncode} before {args.kill_after} checkpoints")
@@ -197,7 +208,7 @@ def main() -> None:
     say(f"  model.pth exists: {(directory / 'model.pth').exists()} (it is written when training completes)")
 
     step(3, "Run the exact same command again: no flag, no path; it finds its own checkpoint and resumes")
-    rerun = Training(interrupted, args.step_delay)
+    rerun = Training(interrupted, args.step_delay, nproc=args.nproc)
     if rerun.wait() != 0:
         fail(f"the rerun exited with status {rerun.process.returncode}")
     if "resuming from" not in rerun.output():
@@ -215,7 +226,7 @@ def main() -> None:
 
     step(4, "For comparison: an uninterrupted run, same program and config, in a separate workspace, no slow-down")
     say("  (per-step training lines hidden)")
-    baseline = Training(reference, 0.0, echo=lambda line: " train: " not in line)
+    baseline = Training(reference, 0.0, echo=lambda line: " train: " not in line, nproc=args.nproc)
     if baseline.wait() != 0:
         fail(f"the reference run exited with status {baseline.process.returncode}")
 
