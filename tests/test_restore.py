@@ -180,7 +180,7 @@ def test_pointer_files_are_followed_and_bad_weights_fail_before_writing(tmp_path
 
     garbage = tmp_path / "garbage.pth"
     garbage.write_bytes(b"not a torch file")
-    with pytest.raises(CheckpointError, match="cannot read weights"):
+    with pytest.raises(CheckpointError, match="not a torch.save file"):
         ResumableRunner(make_config(tmp_path / "d", pretrained=str(garbage)))
     assert not (tmp_path / "d").exists()
 

@@ -103,6 +103,7 @@ def test_attempt_fields(tmp_path: Path):
         "last_step": 0,
         "steps_lost": 0,
         "save_seconds": 0.0,
+        "save_failures": [],
     }
     sidecar.record(step=10, epoch=0, save_seconds=0.25, latest_checkpoint="ckpt-s000000000010")
     sidecar.record(step=20, save_seconds=0.5, best_checkpoint="ckpt-s000000000010")

@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from perdure.checkpoints.base import CheckpointManager
 
 logger = logging.getLogger("perdure")
+WRITER_PROCESS_NAME = "perdure-checkpoint-writer"
 
 
 @dataclass
@@ -41,6 +43,7 @@ class SaveJob:
     texts: dict[str, str]
     persistent: bool
     protected: frozenset[str] = field(default_factory=frozenset)
+    sequence: int = 0  # which save of this attempt it is: the same on every rank, so it names the staging dir
 
 
 @dataclass
@@ -74,16 +77,27 @@ class AsyncSaver:
 
     # ---- the training loop's side -------------------------------------------------------------------------------
 
-    def make_room(self) -> None:
+    def make_room(self, agree: Callable[[bool], bool] | None = None) -> None:
         """Before a new snapshot: drop plain saves still waiting (newest wins) and wait while a persistent one waits.
 
-        At most one save is written and one waits at any time, which bounds the memory snapshots take.
+        At most one save is written and one waits at any time, which bounds the memory snapshots take. With several
+        ranks, `agree(flag)` (True on every rank only when it is True on all) makes the drop a joint decision: the
+        waiting save is taken out of the writer's reach first, and put back unless every rank could take it out, so
+        that the writers of all ranks write the same saves in the same order (a collective backend needs that, and
+        rank 0 commits only what every rank wrote).
         """
         with self._condition:
-            dropped = [job.name for job, _ in self._pending if not job.persistent]
+            claimed = [item for item in self._pending if not item[0].persistent]
             self._pending = deque(item for item in self._pending if item[0].persistent)
-            if dropped:
-                logger.info("checkpoint %s superseded by a newer save before it was written", ", ".join(dropped))
+        drop = agree(bool(claimed)) if agree is not None else bool(claimed)  # agree is collective: always called
+        if drop:
+            names = ", ".join(job.name for job, _ in claimed)
+            logger.info("checkpoint %s superseded by a newer save before it was written", names)
+            claimed = []
+        with self._condition:
+            if claimed:  # another rank's writer already started it: every rank writes it
+                self._pending.extendleft(reversed(claimed))
+                self._condition.notify_all()
             while self._pending:
                 self._condition.wait()
 
@@ -167,7 +181,7 @@ class _WriterProcess:
         self.process = context.Process(
             target=_writer_main,
             args=(manager, self.jobs, self.results, os.getpid()),
-            name="perdure-checkpoint-writer",
+            name=WRITER_PROCESS_NAME,
             daemon=True,
         )
         self.process.start()
@@ -180,7 +194,11 @@ class _WriterProcess:
                 break
             except Exception:
                 if not self.process.is_alive():
-                    raise RuntimeError(f"the checkpoint writer process died (exit {self.process.exitcode})") from None
+                    raise RuntimeError(
+                        f"the checkpoint writer process died (exit {self.process.exitcode}; its error is above). "
+                        "It must be able to import the training script under an `if __name__ == '__main__':` guard "
+                        "and the checkpoint manager's class by name; or use ckpt.async_mode=thread"
+                    ) from None
         if error is not None:
             raise RuntimeError(error)
 

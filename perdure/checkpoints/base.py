@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -27,6 +28,8 @@ from perdure.checkpoints.commit import (
 from perdure.checkpoints.gather import gather_records, publish_records
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_latest
 from perdure.checkpoints.snapshot import Snapshot, available_memory, snapshot_nbytes
+from perdure.distributed.collectives import all_ranks
+from perdure.errors import CheckpointError, PerdureError
 
 logger = logging.getLogger("perdure")
 
@@ -102,6 +105,7 @@ class CheckpointManager(ABC):
         self.resumed_from: str | None = None
         self.last_saved: str | None = None
         self._saver: AsyncSaver | None = None
+        self._saves = 0
         self.quarantined: list[str] = []
 
     # ---- what the runner calls -------------------------------------------------------------------------------
@@ -110,11 +114,9 @@ class CheckpointManager(ABC):
         """The newest checkpoint of this run that verifies, quarantining bad ones (only when writes are allowed)."""
         if not self.root.is_dir():
             return None
-        quarantine_dir = self.root / QUARANTINE_DIR
-        before = set(quarantine_dir.iterdir()) if quarantine_dir.is_dir() else set()
         info = resolve_latest(self.root, repair=self.policy.enabled and self.rank == 0)
-        after = set(quarantine_dir.iterdir()) if quarantine_dir.is_dir() else set()
-        self.quarantined = sorted(path.name for path in after - before)
+        quarantine_dir = self.root / QUARANTINE_DIR
+        self.quarantined = sorted(path.name for path in quarantine_dir.iterdir()) if quarantine_dir.is_dir() else []
         return info
 
     def save(
@@ -142,21 +144,25 @@ class CheckpointManager(ABC):
         final = self.root / name
         if final.exists():
             return final
+        replicated, local = self.snapshot_states(states, local_states)
+        self._saves += 1
         job = SaveJob(
             name=name,
-            replicated={key: state.state_dict() for key, state in states.items()},
-            local={key: state.state_dict() for key, state in local_states.items()},
+            replicated=replicated,
+            local=local,
             meta={**self.identity, **meta, "backend": self.backend, "world_size": self.world_size},
             is_best=is_best,
             texts=dict(texts or {}),
             persistent=persistent,
             protected=frozenset({self.resumed_from} - {None}),
+            sequence=self._saves,
         )
         if self.policy.async_mode == "disabled":
             self.commit_job(job)
             return final
         saver = self._async_saver()
-        saver.make_room()
+        # With several ranks a queued save is dropped only when every rank drops it: ranks must commit the same saves.
+        saver.make_room(agree=all_ranks if self.world_size > 1 else None)
         needed = snapshot_nbytes([job.replicated, job.local])
         available = available_memory()
         if needed > MEMORY_HEADROOM * available:
@@ -176,11 +182,22 @@ class CheckpointManager(ABC):
         saver.submit(job, snapshot)
         return final
 
+    def snapshot_states(
+        self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The state dicts one save writes (replicated, local), taken in the training loop; an async save then copies
+        their tensors. A backend that needs another form of an object's state (DCP's FQN-keyed model and optimizer
+        state) overrides this."""
+        return (
+            {key: state.state_dict() for key, state in states.items()},
+            {key: state.state_dict() for key, state in local_states.items()},
+        )
+
     def commit_job(self, job: SaveJob) -> Path:
         """Write this rank's share of one save; on rank 0 also commit, publish and prune. Runs inline, in the writer
         thread or in the writer process. With several ranks they meet in one staging directory (see `gather.py`)."""
         final = self.root / job.name
-        staging = self._staging_dir(job.name)
+        staging = self._staging_dir(job.name, job.sequence)
         try:
             try:
                 files = self.write(staging, job.replicated, job.local)
@@ -189,7 +206,8 @@ class CheckpointManager(ABC):
                         files[relative] = _write_text_file(staging / relative, text)
             except BaseException as error:
                 if self.world_size > 1:
-                    publish_records(staging, self.rank, None, f"{type(error).__name__}: {error}")
+                    with contextlib.suppress(OSError):  # rank 0 may have failed too and removed the staging dir
+                        publish_records(staging, self.rank, None, f"{type(error).__name__}: {error}")
                 raise
             if self.world_size > 1:
                 publish_records(staging, self.rank, files)
@@ -208,12 +226,13 @@ class CheckpointManager(ABC):
         self.prune(protected=job.protected | {job.name})
         return final
 
-    def _staging_dir(self, name: str) -> Path:
+    def _staging_dir(self, name: str, sequence: int = 0) -> Path:
         """A fresh staging directory; with several ranks, one whose name every rank derives alike (the attempt token
-        is the same on all ranks and new for every attempt, so a killed attempt's leftovers never mix in)."""
+        is the same on all ranks and new for every attempt, so a killed attempt's leftovers never mix in; the save's
+        sequence number is new for every save, so a retry of a failed save never meets the failed one's files)."""
         if self.world_size == 1:
             return make_staging_dir(self.root, name)
-        staging = self.root / f"{STAGING_PREFIX}{name}-{self.token}"
+        staging = self.root / f"{STAGING_PREFIX}{name}-{self.token}-{sequence}"
         staging.mkdir(parents=True, exist_ok=True)
         return staging
 
@@ -252,10 +271,34 @@ class CheckpointManager(ABC):
     def load(self, info: CheckpointInfo, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
         """Restore every object from a verified checkpoint, in the mappings' order. Returns False when the checkpoint
         holds no rank-local state for this rank (it was written by fewer ranks)."""
-        found = self.read(info.path, states, local_states)
+        found = self._reader(info).read(info.path, states, local_states)
         if info.path.parent.resolve() == self.root.resolve():
             self.resumed_from = info.name
         return found
+
+    def _reader(self, info: CheckpointInfo) -> CheckpointManager:
+        """This manager, or one of the backend that wrote `info` (a run may change `ckpt.backend`, e.g. `auto` when
+        it resumes on another number of ranks). Every rank makes the same choice, from the broadcast manifest."""
+        from perdure.checkpoints.select import backend_class
+
+        backend = info.manifest.get("backend", self.backend)
+        if backend == self.backend:
+            return self
+        try:
+            cls = backend_class(backend)
+        except PerdureError:
+            raise CheckpointError(
+                f"checkpoint {info.path} was written by backend {backend!r}, which this version of perdure cannot read"
+            ) from None
+        return cls(
+            self.root,
+            self.policy,
+            rank=self.rank,
+            world_size=self.world_size,
+            identity=self.identity,
+            token=self.token,
+            timeout_s=self.timeout_s,
+        )
 
     def prune(self, protected: frozenset[str] = frozenset()) -> list[Path]:
         """Apply `keep_latest_k` by scanning the directory, so retention survives restarts.

@@ -112,10 +112,36 @@ def available_memory() -> int:
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1]) * 1024
                 break
-    limit_path, usage_path = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
-    if limit_path.exists() and usage_path.exists():
-        limit = limit_path.read_text().strip()
-        if limit != "max":
-            headroom = int(limit) - int(usage_path.read_text())
-            available = headroom if available is None else min(available, headroom)
+    for headroom in _cgroup_headrooms():
+        available = headroom if available is None else min(available, headroom)
     return available if available is not None else 0
+
+
+def _cgroup_headrooms() -> list[int]:
+    """Limit minus usage of this process's memory cgroup and its ancestors (cgroup v2 and v1), where one is set."""
+    headrooms = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return headrooms
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: /sys/fs/cgroup/<path>/memory.max and memory.current
+            base, limit_name, usage_name = Path("/sys/fs/cgroup"), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            base = Path("/sys/fs/cgroup/memory")
+            limit_name, usage_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        directory = base / path.lstrip("/")
+        while True:
+            try:
+                limit = (directory / limit_name).read_text().strip()
+                if limit != "max" and int(limit) < 2**60:
+                    headrooms.append(int(limit) - int((directory / usage_name).read_text()))
+            except (OSError, ValueError):
+                pass
+            if directory == base:
+                break
+            directory = directory.parent
+    return headrooms

@@ -33,6 +33,13 @@ class RestoreSource:
         return "starting fresh at step 0"
 
 
+def _names(path: Path, checkpoint: CheckpointInfo, run_dir: Path) -> bool:
+    """Whether a user-given path means `checkpoint`: the checkpoint itself, or its run / checkpoints dir / `latest`."""
+    path = path.resolve()
+    run_dir = run_dir.resolve()
+    return path in (checkpoint.path.resolve(), run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "latest")
+
+
 def choose_restore_source(
     own: CheckpointInfo | None,
     *,
@@ -55,7 +62,7 @@ def choose_restore_source(
                 f"it. Drop --resume false to continue that run, or set --workspace.id NEW_ID to start a separate run."
             )
         for key, value in (("checkpoint", checkpoint), ("pretrained", pretrained)):
-            if value and not Path(value).resolve().is_relative_to(run_dir.resolve()):
+            if value and not _names(Path(value), own, run_dir):
                 logger.warning(
                     "ignoring %s=%s: run %s already has checkpoints and continues from %s. To branch a new run from "
                     "%s instead, give it another identity: --workspace.id NEW_ID (or --workspace.lineage NAME).",

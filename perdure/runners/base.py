@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import signal
 import time
 from abc import ABCMeta, abstractmethod
@@ -25,8 +26,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from perdure.checkpoints.async_save import WRITER_PROCESS_NAME
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy, Stateful
-from perdure.checkpoints.file import FileCheckpointManager
+from perdure.checkpoints.select import manager_class as select_manager_class
 from perdure.checkpoints.source import choose_restore_source
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
@@ -60,7 +62,9 @@ class RunnerMeta(ABCMeta):
 class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
     """The training lifecycle shared by every stack. Subclass a stack (or `Runner`), not this class."""
 
-    checkpoint_manager_class: ClassVar[type[CheckpointManager]] = FileCheckpointManager
+    # None: the manager comes from `ckpt.backend` (`perdure.checkpoints.select.manager_class`: auto is DCP with several
+    # ranks, else file). A class set here, on a stack or on the user's runner class, wins over the config.
+    checkpoint_manager_class: ClassVar[type[CheckpointManager] | None] = None
 
     model: nn.Module | None
     criterion: Callable[..., torch.Tensor] | None
@@ -70,6 +74,11 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
     def __init__(self, config: RunnerConfig) -> None:
         if not isinstance(config, RunnerConfig):
             raise TypeError(f"{type(self).__name__} takes a RunnerConfig, got {type(config).__name__}")
+        if multiprocessing.current_process().name == WRITER_PROCESS_NAME:
+            raise PerdureError(
+                "the training script was run again inside perdure's checkpoint writer process: ckpt.async_mode=process "
+                "starts a process that imports the script, so put the training under `if __name__ == '__main__':`"
+            )
         config.check()
         self.config = config
         self.logger = get_logger()
@@ -84,6 +93,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self.is_best = False
         self.save_failures: list[str] = []
         self._ending = False
+        self._budget_done: Callable[[], bool] = lambda: False
         self.preemption = PreemptionHandler()
         self.stop_signal = 0  # the signal all ranks agreed to stop for (0: none)
         self.rank, self.world_size = self.init_distributed()
@@ -159,8 +169,12 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
             return "error", error
 
     def _checkpoint_manager(self, token: str = "") -> CheckpointManager:
-        """This run's checkpoint manager; `token` (the attempt's timestamp, equal on all ranks) names staging dirs."""
-        return self.checkpoint_manager_class(
+        """This run's checkpoint manager; `token` (the attempt's timestamp, equal on all ranks) names staging dirs.
+
+        Its class is `checkpoint_manager_class` when a runner class sets one, else the one `ckpt.backend` selects.
+        """
+        manager_class = self.checkpoint_manager_class or select_manager_class(self.config.ckpt.backend, self.world_size)
+        return manager_class(
             self.run_dir.checkpoints,
             CheckpointPolicy.from_config(self.config.ckpt),
             rank=self.rank,
@@ -364,6 +378,8 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self.checkpoints.start()
         self.telemetry.begin_training(self.config.steps if self.config.training_mode() == "steps" else None)
         self._clock, self._clock_step = time.perf_counter(), self.state.global_step
+        self._budget_done = done
+        # Installed until the last save is drained: a second SIGINT during a forced save still exits at once.
         self.preemption.install()
         try:
             while not (done() or self.stop_requested()):
@@ -378,12 +394,12 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
                     if epoch_started and consumed == 0:
                         raise PerdureError("the 'train' dataloader yields no batches: check the dataset and batch_size")
                     self._end_epoch()
+            if done():
+                self._finish()
+            else:
+                self._stop_for_preemption()
         finally:
             self.preemption.uninstall()
-        if done():
-            self._finish()
-        else:
-            self._stop_for_preemption()
 
     def _accumulation_windows(self, loader: ResumableLoader) -> Iterator[list[Any]]:
         """Groups of `accum_steps` micro-batches; an epoch's last window may be shorter and is stepped as is."""

@@ -123,7 +123,7 @@ class CheckpointingMixin:
             f"checkpoint is intact (latest: {read_pointer(self.run_dir.checkpoints, 'latest')})."
         )
         # The save of the position training ends at is the one a rerun needs: losing it is never just a warning.
-        final = self._ending and name == self._position_name()
+        final = (self._ending or self._budget_done()) and name == self._position_name()
         if final or reason in ("final", "preemption") or self.config.ckpt.on_error == "raise":
             raise CheckpointSaveError(message)
         self.logger.error("%s Training goes on (ckpt.on_error=warn).", message)

@@ -48,7 +48,7 @@ class EvaluationMixin:
     def reduce_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
         """Turn weighted sums into means, after summing `totals` and `count` over every rank (each evaluates its own
         share of the split, uneven shares included)."""
-        names = sorted(totals)
+        names = list(totals)  # evaluate_step's order, the same on every rank
         *sums, count = sum_over_ranks([totals[name] for name in names] + [float(count)])
         return {name: total / max(count, 1) for name, total in zip(names, sums)}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -42,6 +43,10 @@ def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path} holds no state dict of tensors; give a model export such as model.pth")
         return weights
     info = resolve_path(path)
+    if info.manifest.get("backend") == "dcp":
+        from perdure.checkpoints.dcp import read_dcp_weights
+
+        return read_dcp_weights(info.path, ema=ema)
     state = _load(info.path / REPLICATED_FILE)
     if ema:
         if "ema" not in state:
@@ -55,6 +60,11 @@ def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
 def _load(path: Path) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{path} is not a torch.save file of tensors that perdure can load safely (it reads weights with "
+            "weights_only=True); give a model export (model.pth) or a checkpoint / run directory"
+        ) from error
     except Exception as error:
         raise CheckpointError(
             f"cannot read weights from {path} ({type(error).__name__}: {str(error).splitlines()[0]}); give a model "

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from perdure.config import RunnerConfig
@@ -20,9 +22,10 @@ from perdure.runners.state import RunnerState
 from perdure.workspace.identity import canonical_config
 from perdure.workspace.metadata import write_metadata
 from perdure.workspace.run_dir import RunDir
-from perdure.workspace.sidecar import Sidecar
+from perdure.workspace.sidecar import Sidecar, touch_heartbeat
 
 RESTART_COUNTERS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+HEARTBEAT_SECONDS = 10.0
 
 logger = logging.getLogger("perdure")
 
@@ -38,6 +41,7 @@ class RunTelemetry:
         self.loggers = LoggerGroup(build_loggers(config) if active else [])
         self.sidecar: Sidecar | None = None
         self.progress: ProgressBar | None = None
+        self._heartbeat_at = time.monotonic()
 
     def start(self, *, attempt: str, resumed_from: str | None) -> None:
         """Record the attempt (metadata, sidecar entry, restart counters) and open the metric loggers.
@@ -59,7 +63,10 @@ class RunTelemetry:
         )
         restarts = {name: _int_or_none(os.environ.get(name)) for name in RESTART_COUNTERS if name in os.environ}
         entry = self.sidecar.start_attempt(
-            started=attempt, restart_counts=restarts, resumed_from=resumed_from, resumed_step=self.state.global_step
+            started=attempt,
+            restart_counts=restarts,
+            resumed_from=str(Path(resumed_from).resolve()) if resumed_from else None,
+            resumed_step=self.state.global_step,
         )
         if entry.get("steps_lost"):
             logger.info("the interruption cost %d steps (trained, not checkpointed)", entry["steps_lost"])
@@ -76,19 +83,25 @@ class RunTelemetry:
             set_progress_bar(self.progress)
 
     def step(self, step: int) -> None:
+        """After every optimizer step: the progress bar, and the heartbeat every few seconds (so a run whose log
+        lines are far apart is not mistaken for a stale one)."""
         if self.progress is not None:
             self.progress.update(step)
+        now = time.monotonic()
+        if self.active and now - self._heartbeat_at > HEARTBEAT_SECONDS:
+            touch_heartbeat(self.run_dir.path)
+            self._heartbeat_at = now
 
     def log_metrics(self, split: str, metrics: Mapping[str, float], step: int) -> None:
         """One line on the console and in the log file, a row per metric, the sidecar's summary."""
         if not self.active:
             return
+        if self.progress is not None and split == "train":
+            self.progress.update(step, {name: value for name, value in metrics.items() if name == "loss"})
         budget = self.config.steps if self.config.training_mode() == "steps" else None
         where = f"step {step}/{budget}" if budget else f"step {step} epoch {self.state.epoch}"
         logger.info("%s %s: %s", where, split, " ".join(f"{name} {value:.6g}" for name, value in metrics.items()))
         self.loggers.log_metrics(split, metrics, step)
-        if self.progress is not None and split == "train":
-            self.progress.update(step, {name: value for name, value in metrics.items() if name == "loss"})
         if self.sidecar is not None:
             self.sidecar.record(step=step, epoch=self.state.epoch, metrics={split: metrics})
 

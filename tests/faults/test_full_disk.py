@@ -17,7 +17,7 @@ from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_d
 
 ARGS = ("--steps", "40", "--ckpt.interval", "10")
 # Each save writes state.pth and rank00000.pth through the patched writer: call 3 is the second save's state.pth;
-# from call 7 on the disk stays full, so the save at step 40 and the final retry of it both fail.
+# from call 7 on the disk stays full, so the save at step 40, the position training ends at, fails.
 SECOND_SAVE, FINAL_SAVE = "enospc:3", "enospc:7+"
 
 
@@ -62,7 +62,7 @@ def test_failed_save_with_on_error_raise_exits_non_zero(tmp_path):
 def test_failed_final_save_exits_non_zero(tmp_path):
     result = run("resumable.py", tmp_path, *ARGS, FAULT=FINAL_SAVE)
     assert result.returncode != 0
-    assert "ckpt-s000000000040 (final) failed" in result.stderr
+    assert "ckpt-s000000000040 (interval) failed" in result.stderr  # the budget's last step: a final save
     assert assert_committed_intact(tmp_path)[0] == "ckpt-s000000000030"
     assert not (run_dir(tmp_path) / "model.pth").exists()
 

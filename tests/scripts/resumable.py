@@ -11,8 +11,12 @@ Environment knobs (tests only):
                   prune    SIGKILL in the middle of pruning (a directory renamed aside, not yet deleted)
                   write    SIGKILL half-way through writing a checkpoint file (in the background writer if async)
                   enospc   the write fails with ENOSPC (a full disk) after writing part of the file
+                  dcp      SIGKILL half-way through writing a DCP shard file (`*.distcp`; sync and thread modes)
+                  dcp_enospc  writing a DCP shard file fails with ENOSPC after part of it is written
+  FAULT_RANK    install FAULT on this rank only (default: on every rank)
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -143,11 +147,29 @@ def install_fault(spec: str) -> None:
             raise OSError(errno.ENOSPC, "No space left on device (injected by the test)", str(path))
 
         file_module.write_file = failing_write_file
+    elif point in ("dcp", "dcp_enospc"):
+        from torch.distributed.checkpoint import filesystem
+
+        create_stream = filesystem.FileSystem.create_stream
+
+        @contextlib.contextmanager
+        def failing_create_stream(self, path, mode):
+            with create_stream(self, path, mode) as stream:
+                if str(path).endswith(".distcp") and due():
+                    stream.write(b"\0" * 4096)
+                    stream.flush()
+                    if point == "dcp":
+                        die()
+                    raise OSError(errno.ENOSPC, "No space left on device (injected by the test)", str(path))
+                yield stream
+
+        filesystem.FileSystem.create_stream = failing_create_stream
     else:
         raise ValueError(f"unknown fault point {point!r}")
 
 
 if __name__ == "__main__":
-    if os.environ.get("FAULT"):
+    rank = os.environ.get("RANK", "0")
+    if os.environ.get("FAULT") and os.environ.get("FAULT_RANK", rank) == rank:
         install_fault(os.environ["FAULT"])
     ResumableRunner(Config().parse()).train()

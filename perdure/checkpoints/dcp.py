@@ -1,0 +1,252 @@
+"""DCPCheckpointManager: model, optimizer and EMA through torch.distributed.checkpoint (DCP), so a checkpoint reshards.
+
+A checkpoint directory holds
+
+    .metadata              DCP's index of every tensor and object (rank 0)
+    __{r}_0.distcp         DCP shards: rank r's share of model / optimizer / EMA (DCP spreads replicated tensors
+                           over the ranks, each tensor written once)
+    replicated.pth         plain-data replicated state: RunnerState, scheduler, grad scaler, ... (rank 0, torch.save)
+    rank{r:05d}.pth        rank-local state: RNGs and data position (every rank, torch.save)
+    config.yaml            and manifest.json, as with every backend
+
+Model and optimizer go through `get_model_state_dict` / `get_optimizer_state_dict` (FQN-keyed, the standard DCP
+format), so a checkpoint written by N ranks loads on M ranks: every rank reads what its tensors need. Plain data goes
+into one small file instead of DCP's per-object entries because its structure changes as training goes on (results
+history, pending losses), and DCP only fills keys the loading side already has. Each rank hashes the files it wrote and
+hands the records to the one commit protocol (`CheckpointManager.commit_job`, `gather.py`).
+
+Async saves (`ckpt.async_mode`): the training loop only snapshots (copies) the state; perdure's writer thread then calls
+`dcp.async_save` (THREAD, or PROCESS: DCP's own background process per rank) on a dedicated gloo group, waits for it,
+hashes, publishes its records, and on rank 0 commits. The writer threads of all ranks run the same saves in the same
+order: a queued plain save is dropped only when every rank agrees (see `AsyncSaver.make_room`). A single process
+(world size 1) uses the writer thread or perdure's writer process with a local `dcp.save`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from perdure.checkpoints.async_save import AsyncSaver, _raise_open_file_limit
+from perdure.checkpoints.base import CheckpointManager, Stateful
+from perdure.checkpoints.commit import FileRecord, hash_file, write_file
+from perdure.checkpoints.file import local_file
+from perdure.errors import CheckpointError, CheckpointSaveError
+
+logger = logging.getLogger("perdure")
+
+# Replicated objects whose tensors go through DCP; every other replicated object is plain data in REPLICATED_FILE.
+DCP_KEYS = ("model", "optimizer", "ema")
+REPLICATED_FILE = "replicated.pth"
+METADATA_FILE = ".metadata"
+
+# DCP warns on every save / load without a process group that it assumes a single process: intended here (world size 1,
+# and weights read by one rank). A filter, not `catch_warnings`, which is not thread-safe (the writer thread saves).
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
+
+
+def shard_files(staging: Path, rank: int) -> list[Path]:
+    """The DCP data files rank `rank` wrote (`__{rank}_{i}.distcp`)."""
+    return sorted(staging.glob(f"__{rank}_*.distcp"))
+
+
+class DCPCheckpointManager(CheckpointManager):
+    """Collective: every rank enters `save` and `load` together. See the module docstring for the layout."""
+
+    backend = "dcp"
+    collective = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The background writers' own gloo group: DCP's collectives there never interleave with training's.
+        self._group: dist.ProcessGroup | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_group"] = None
+        return state
+
+    # ---- what goes in -------------------------------------------------------------------------------------------
+
+    def snapshot_states(
+        self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Model and optimizer in DCP's FQN-keyed form (`get_model_state_dict` / `get_optimizer_state_dict`); their
+        tensors are the live ones, so an async snapshot still copies parameters and optimizer state late."""
+        model = states.get("model")
+        replicated: dict[str, Any] = {}
+        for key, state in states.items():
+            if key == "model":
+                replicated[key] = get_model_state_dict(state)
+            elif key == "optimizer" and model is not None:
+                replicated[key] = get_optimizer_state_dict(model, state)
+            else:
+                replicated[key] = state.state_dict()
+        return replicated, {key: state.state_dict() for key, state in local_states.items()}
+
+    # ---- async: the background group and writer -----------------------------------------------------------------
+
+    def _async_saver(self) -> AsyncSaver:
+        # Called on every rank at the same point (training start, or the first save): new_group is collective.
+        if self._saver is None:
+            if self.world_size > 1:
+                self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+                if self.policy.async_mode == "process":
+                    _raise_open_file_limit()  # snapshot tensors travel to DCP's process as file descriptors
+            # With several ranks DCP's own executor does the thread / process work; perdure's writer process is only
+            # used by a single process (its `dcp.save` needs no process group).
+            mode = "thread" if self.world_size > 1 else self.policy.async_mode
+            self._saver = AsyncSaver(self, mode)
+        return self._saver
+
+    # ---- the backend --------------------------------------------------------------------------------------------
+
+    def write(self, staging: Path, replicated: dict[str, Any], local: dict[str, Any]) -> dict[str, FileRecord]:
+        tensors = {key: value for key, value in replicated.items() if key in DCP_KEYS}
+        plain = {key: value for key, value in replicated.items() if key not in DCP_KEYS}
+        # DCP first: it is collective, so a rank that fails before it would keep the others waiting in it.
+        self._dcp_save(tensors, staging)
+        files: dict[str, FileRecord] = {}
+        own = shard_files(staging, self.rank) + ([staging / METADATA_FILE] if self.rank == 0 else [])
+        for path in own:
+            files[path.name] = hash_file(path)
+        if self.rank == 0:
+            files[REPLICATED_FILE] = write_file(staging / REPLICATED_FILE, lambda f: torch.save(plain, f))
+        name = local_file(self.rank)
+        files[name] = write_file(staging / name, lambda f: torch.save(local, f))
+        return files
+
+    def _dcp_save(self, state: dict[str, Any], staging: Path) -> None:
+        writer = FileSystemWriter(staging, sync_files=True, overwrite=False)
+        try:
+            if self.world_size == 1:
+                with _single_process():
+                    dcp.save(state, storage_writer=writer, no_dist=True)
+            elif self._group is not None:  # async mode: the writer thread (or the loop after a drain)
+                process = self.policy.async_mode == "process"
+                kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+                future = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    process_group=self._group,
+                    async_checkpointer_type=kind,
+                    async_stager=_AlreadyStaged(),
+                )
+                future.result()
+            else:
+                dcp.save(state, storage_writer=writer)
+        except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+            # DCP reports a failure on any rank to every rank, so all of them fail this save together.
+            raise CheckpointSaveError(f"DCP could not write {staging.name}: {_describe(error)}") from error
+
+    def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
+        model, optimizer = states.get("model"), states.get("optimizer")
+        stored = {key.split(".", 1)[0] for key in FileSystemReader(path).read_metadata().state_dict_metadata}
+        # Templates shaped like this run's objects (on this world size); DCP fills them from whatever ranks wrote.
+        template: dict[str, Any] = {}
+        if model is not None and "model" in stored:
+            if optimizer is not None and "optimizer" in stored:
+                template["model"], template["optimizer"] = get_state_dict(model, optimizer)
+            else:
+                template["model"] = get_model_state_dict(model)
+        for key in DCP_KEYS:
+            if key in states and key in stored and key not in template:
+                template[key] = states[key].state_dict()
+        try:
+            with _single_process():
+                dcp.load(template, storage_reader=FileSystemReader(path), no_dist=self.world_size == 1)
+        except (Exception, CheckpointException) as error:
+            raise CheckpointError(f"DCP could not read checkpoint {path}: {_describe(error)}") from error
+        plain = torch.load(path / REPLICATED_FILE, map_location="cpu", weights_only=True)
+        for key, state in states.items():  # the mapping's order is the restore order
+            if key == "model" and key in template:
+                set_model_state_dict(model, template[key])
+            elif key == "optimizer" and key in template:
+                set_optimizer_state_dict(model, optimizer, template[key])
+            elif key in template:
+                state.load_state_dict(template[key])
+            elif key in plain:
+                state.load_state_dict(plain[key])
+        local_path = path / local_file(self.rank)
+        if not local_path.exists():
+            return False
+        local = torch.load(local_path, map_location="cpu", weights_only=True)
+        for key, state in local_states.items():
+            if key in local:
+                state.load_state_dict(local[key])
+        return True
+
+
+@contextmanager
+def _single_process() -> Iterator[None]:
+    """DCP warns that it assumes a single process whenever no process group exists: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def read_dcp_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
+    """Model (or EMA) weights of a DCP checkpoint directory, read in this process alone (no process group needed)."""
+    prefix = "ema.shadow." if ema else "model."
+    try:
+        reader = FileSystemReader(path)
+        weights = {
+            key[len(prefix) :]: torch.empty(item.size, dtype=item.properties.dtype)
+            for key, item in reader.read_metadata().state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+        }
+        if weights:
+            nested: dict[str, Any] = {"ema": {"shadow": weights}} if ema else {"model": weights}
+            with _single_process():
+                dcp.load(nested, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as error:  # a BaseException must not bypass the runner's error handling
+        raise CheckpointError(f"cannot read weights from DCP checkpoint {path}: {_describe(error)}") from error
+    if not weights:
+        what = "EMA weights (it was trained with ema.enabled=false)" if ema else "model weights"
+        raise CheckpointError(f"DCP checkpoint {path} holds no {what}")
+    return weights
+
+
+class _AlreadyStaged(AsyncStager):
+    """perdure's Snapshot already copied the state off the live tensors: DCP writes it as is, without a second copy."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _describe(error: BaseException) -> str:
+    """One line for a save failure; a CheckpointException names the ranks and their own errors."""
+    if isinstance(error, CheckpointException):
+        failures = ", ".join(f"rank {rank}: {type(e[0]).__name__}: {e[0]}" for rank, e in error.failures.items())
+        return f"DCP failed on {failures}"
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,42 @@
+"""Which CheckpointManager a run uses (`ckpt.backend`), and which one reads a checkpoint (its manifest's `backend`)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from perdure.checkpoints.base import CheckpointManager
+from perdure.errors import ConfigError
+
+BACKENDS = ("auto", "file", "dcp", "deepspeed")
+
+
+def manager_class(backend: str, world_size: int) -> type[CheckpointManager]:
+    """The manager class for `ckpt.backend`: `file`, `dcp`, or `auto` (DCP when several ranks train, else file).
+
+    `deepspeed` (the engine's own checkpoints) is not available yet and is refused with a clear ConfigError.
+    """
+    if backend == "auto":
+        backend = "dcp" if world_size > 1 and dist.is_available() else "file"
+    if backend == "deepspeed":
+        raise ConfigError(
+            "ckpt.backend",
+            backend,
+            "the DeepSpeed engine checkpoint backend is not available yet in this version of perdure; "
+            "use auto, file or dcp",
+        )
+    if backend == "dcp" and not dist.is_available():
+        raise ConfigError("ckpt.backend", backend, "this PyTorch build has no torch.distributed; use file or auto")
+    return backend_class(backend)
+
+
+def backend_class(backend: str) -> type[CheckpointManager]:
+    """The manager class that reads and writes checkpoints of `backend` (a manifest's `backend` field)."""
+    if backend == "file":
+        from perdure.checkpoints.file import FileCheckpointManager
+
+        return FileCheckpointManager
+    if backend == "dcp":
+        from perdure.checkpoints.dcp import DCPCheckpointManager
+
+        return DCPCheckpointManager
+    raise ConfigError("ckpt.backend", backend, f"use one of {', '.join(BACKENDS)}")
