@@ -1,0 +1,107 @@
+"""Run the benchmarks (`make bench`): each in its own process, then one summary table.
+
+    python benchmarks/run.py [step_overhead] [save_throughput] [--strict]
+
+Each benchmark prints its own table and writes `bench-results/<name>.json`. A missed target is reported, not
+failed: this exits non-zero only when a benchmark crashes, or with `--strict` when a target is missed.
+`OMP_NUM_THREADS` (default 1) is passed to every benchmark, which pins torch's threads to it for both sides of
+each comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import DEFAULT_THREADS, RESULTS_DIR, format_table
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = ("step_overhead", "save_throughput")
+
+
+def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
+    results = record["results"]
+    if name == "step_overhead":
+        hand, runner, lean = results["hand"], results["runner"], results["runner-lean"]
+        same = runner["same_params_as_hand"] and lean["same_params_as_hand"]
+        return [
+            [name, "hand loop, us/step", f"{hand['us_per_step']:.0f}", "", ""],
+            [name, "runner, us/step", f"{runner['us_per_step']:.0f}", "", ""],
+            [name, "runner / hand in CPU time", f"{runner['cpu_ratio']:.3f}", "", ""],
+            [name, "runner-lean / hand (no finite check, no logging)", f"{lean['ratio']:.3f}", "", ""],
+            [name, "runner start + finish, ms (hand loop: ~0)", f"{runner['fixed_ms']:.0f}", "", ""],
+            [
+                name,
+                "same final parameters as the hand loop",
+                "yes" if same else "NO",
+                "yes",
+                "met" if same else "MISSED",
+            ],
+        ]
+    if name == "save_throughput":
+        speed = results["gb_per_s"]
+        return [
+            [name, "perdure save GB/s", f"{speed['perdure']:.3f}", "", ""],
+            [name, "torch.save + fsync GB/s", f"{speed['torch.save']:.3f}", "", ""],
+            [name, "dd conv=fsync GB/s", f"{speed['dd']:.3f}", "", ""],
+            [name, "perdure / dd", f"{results['perdure_over_dd']:.3f}", "", ""],
+            [name, "perdure with zip crc32 off, GB/s", f"{speed['perdure, no zip crc32']:.3f}", "", ""],
+            [name, "deep verify, warm cache, s", f"{results['verify_warm_seconds']:.3f}", "", ""],
+            [name, "deep verify, cold cache, s", f"{results['verify_cold_seconds']:.3f}", "", ""],
+        ]
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(BENCHMARKS)} (default: all)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
+    if unknown := [name for name in args.names if name not in BENCHMARKS]:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
+    names = args.names or list(BENCHMARKS)
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(DEFAULT_THREADS)
+
+    rows: list[list[Any]] = []
+    crashed, missed = [], []
+    started = time.perf_counter()
+    for name in names:
+        result_file = RESULTS_DIR / f"{name}.json"
+        result_file.unlink(missing_ok=True)  # never report a stale result for a benchmark that crashed
+        print(f"\n=== {name} ===", flush=True)
+        begin = time.perf_counter()
+        process = subprocess.run([sys.executable, str(HERE / f"{name}.py")], env=env)
+        seconds = time.perf_counter() - begin
+        if process.returncode != 0 or not result_file.exists():
+            crashed.append(name)
+            rows.append([name, "exit status", str(process.returncode), "0", "CRASHED"])
+            continue
+        record = json.loads(result_file.read_text())
+        for t in record["targets"]:
+            verdict = "met" if t["met"] else "MISSED"
+            if not t["met"]:
+                missed.append(f"{name}: {t['metric']}")
+            rows.append([name, t["metric"], f"{t['value']:.3f}", f"{t['op']} {t['bound']}", verdict])
+        rows.extend(summary_rows(name, record))
+        rows.append([name, "benchmark wall time, s", f"{seconds:.0f}", "", ""])
+
+    print(f"\n=== summary ({time.perf_counter() - started:.0f}s, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}) ===")
+    print(format_table(["benchmark", "metric", "value", "target", "verdict"], rows))
+    print(f"details: {RESULTS_DIR}/<benchmark>.json")
+    if crashed:
+        print(f"crashed: {', '.join(crashed)}")
+        return 1
+    if missed and args.strict:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
