@@ -151,7 +151,7 @@ class RunnerConfig(chanfig.Config):
         self.workspace.lineage = None
         self.workspace.id = None
         self.workspace.tags = []
-        self.log.interval = 10
+        self.log.interval = 50
         self.log.progress = "auto"  # auto: a progress bar on a terminal, plain lines otherwise
         self.tensorboard.enabled = False
         self.wandb.enabled = False

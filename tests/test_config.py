@@ -58,7 +58,7 @@ def test_defaults():
     }
     assert c["optim"]["betas"] == [0.9, 0.999] and c["optim"]["lr"] == 1e-3
     assert c["dataloader"]["batch_size"] == 32 and c["score"]["mode"] == "min"
-    assert c["workspace"]["tags"] == [] and c["log"]["interval"] == 10
+    assert c["workspace"]["tags"] == [] and c["log"]["interval"] == 50
     assert c["ema"] == {"enabled": False, "decay": 0.999}
 
 

@@ -19,7 +19,7 @@ import signal
 import time
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
@@ -37,6 +37,7 @@ from perdure.errors import PerdureError
 from perdure.loggers.console import EarlyRecords, attach_log_file, get_logger
 from perdure.resilience.run_lock import RunLock
 from perdure.resilience.signals import PreemptionHandler
+from perdure.runners.cadence import Cadence
 from perdure.runners.checkpointing import CheckpointingMixin
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.evaluation import EvaluationMixin
@@ -47,7 +48,7 @@ from perdure.runners.state import RunnerState
 from perdure.runners.telemetry import RunTelemetry
 from perdure.workspace.run_dir import resolve_run_dir
 
-DEFAULT_STEP_INTERVAL = 500
+NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
 
 
 class RunnerMeta(ABCMeta):
@@ -248,9 +249,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
 
     def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
         """Context for one micro-batch's forward/backward; DDP stacks skip the gradient all-reduce until the last."""
-        from contextlib import nullcontext
-
-        return nullcontext()
+        return NO_CONTEXT
 
     def extra_states(self) -> dict[str, Stateful]:
         """Replicated objects a stack adds to checkpoints after the optimizer and scheduler (e.g. a GradScaler)."""
@@ -374,7 +373,9 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
             return budget_reached() or self.state.early_stopped
 
         loader = self.dataloaders["train"]
+        self.cadence = Cadence.from_config(self.config)
         self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
         self.checkpoints.start()
         self.telemetry.begin_training(self.config.steps if self.config.training_mode() == "steps" else None)
         self._clock, self._clock_step = time.perf_counter(), self.state.global_step
@@ -414,14 +415,14 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
             yield window
 
     def _train_window(self, window: list[Any], loader: ResumableLoader) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        # Gradients are zero here: `optimizer_step` leaves them so, and `_fit` zeroes them before the first window.
         losses = []
         for index, batch in enumerate(window):
             with self.no_sync(last_micro_batch=index == len(window) - 1):
                 with self.autocast():
                     output = self.train_step(batch)
                 loss = output["loss"] if isinstance(output, Mapping) else output
-                self.backward(loss / len(window))
+                self.backward(loss if len(window) == 1 else loss / len(window))
             losses.append(loss.detach())
         self.state.samples_in_epoch += sum(loader.global_samples(batch) for batch in window)
         self.checkpoints.wait_for_snapshots()  # an async save may still be copying what the step will change
@@ -439,42 +440,37 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         if self.ema is not None:
             self.ema.update(self.unwrap_model())
         self.state.global_step += 1
-        self._losses.append(torch.stack(losses).mean())
+        self._losses.append(losses[0] if len(losses) == 1 else torch.stack(losses).mean())
         self.telemetry.step(self.state.global_step)
         self._end_step(epoch_ending=self.state.samples_in_epoch >= (loader.samples_per_epoch() or math.inf))
 
     def _end_step(self, epoch_ending: bool) -> None:
-        step = self.state.global_step
-        config = self.config
-        if step % config.log.interval == 0:
+        step, cadence = self.state.global_step, self.cadence
+        if step % cadence.log_every == 0:
             self._log_train_progress()
-        if config.training_mode() == "epochs":
-            interval_steps = config.ckpt.interval_steps
-            if interval_steps and step % interval_steps == 0 and not epoch_ending:
+        if cadence.by_epoch:
+            every = cadence.save_every_steps
+            if every and step % every == 0 and not epoch_ending:
                 self.save_checkpoint("interval")
             return
-        self.is_best = False
-        eval_interval = config.eval_interval or config.ckpt.interval or DEFAULT_STEP_INTERVAL
-        if step % eval_interval == 0 and self._eval_splits():
-            self._evaluate_and_score()
-        ckpt_interval = config.ckpt.interval or DEFAULT_STEP_INTERVAL
-        if step % ckpt_interval == 0:
-            self.save_checkpoint("interval")
-        elif self.is_best and config.ckpt.save_best:
-            self.save_checkpoint("best")
+        self._evaluate_and_save(step)
 
     def _end_epoch(self) -> None:
         self.state.epoch += 1
         self.state.samples_in_epoch = 0
-        if self.config.training_mode() != "epochs":
-            return
-        epoch = self.state.epoch
+        if self.cadence.by_epoch:
+            self._evaluate_and_save(self.state.epoch)
+
+    def _evaluate_and_save(self, count: int) -> None:
+        """At the end of a step (step mode) or an epoch (epoch mode) numbered `count`: evaluate and save when due;
+        an improved score is saved too (`ckpt.save_best`), so `best` always names a checkpoint."""
+        cadence = self.cadence
         self.is_best = False
-        if epoch % (self.config.eval_interval or 1) == 0 and self._eval_splits():
+        if count % cadence.eval_every == 0 and self._eval_splits():
             self._evaluate_and_score()
-        if epoch % (self.config.ckpt.interval or 1) == 0:
+        if count % cadence.save_every == 0:
             self.save_checkpoint("interval")
-        elif self.is_best and self.config.ckpt.save_best:
+        elif self.is_best and cadence.save_best:
             self.save_checkpoint("best")
 
     def stop_requested(self) -> bool:

@@ -51,6 +51,8 @@ class CheckpointingMixin:
         manifest. Async modes return as soon as the snapshot is handed over. A failed save is reported and, unless it
         is a final or preemption save or `ckpt.on_error=raise`, training goes on."""
         self._report_saves(self.checkpoints.take_outcomes())
+        if not self.config.ckpt.enabled:
+            return None
         position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
         if position == self._saved_position or self.state.global_step == 0:
             return None

@@ -22,7 +22,7 @@ from perdure.runners.state import RunnerState
 from perdure.workspace.identity import canonical_config
 from perdure.workspace.metadata import write_metadata
 from perdure.workspace.run_dir import RunDir
-from perdure.workspace.sidecar import Sidecar, touch_heartbeat
+from perdure.workspace.sidecar import Heartbeat, Sidecar
 
 RESTART_COUNTERS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 HEARTBEAT_SECONDS = 10.0
@@ -41,7 +41,8 @@ class RunTelemetry:
         self.loggers = LoggerGroup(build_loggers(config) if active else [])
         self.sidecar: Sidecar | None = None
         self.progress: ProgressBar | None = None
-        self._heartbeat_at = time.monotonic()
+        self.heartbeat: Heartbeat | None = None
+        self._heartbeat_at = self._sidecar_at = time.monotonic()
 
     def start(self, *, attempt: str, resumed_from: str | None) -> None:
         """Record the attempt (metadata, sidecar entry, restart counters) and open the metric loggers.
@@ -71,6 +72,7 @@ class RunTelemetry:
         if entry.get("steps_lost"):
             logger.info("the interruption cost %d steps (trained, not checkpointed)", entry["steps_lost"])
         self.loggers.open(self.run_dir.path, resumed_step=self.state.global_step, state=self.state, config=self.config)
+        self.heartbeat = Heartbeat(self.run_dir.path)
         self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
         self.sidecar.write()
 
@@ -88,8 +90,8 @@ class RunTelemetry:
         if self.progress is not None:
             self.progress.update(step)
         now = time.monotonic()
-        if self.active and now - self._heartbeat_at > HEARTBEAT_SECONDS:
-            touch_heartbeat(self.run_dir.path)
+        if self.heartbeat is not None and now - self._heartbeat_at > HEARTBEAT_SECONDS:
+            self.heartbeat.beat(step)
             self._heartbeat_at = now
 
     def log_metrics(self, split: str, metrics: Mapping[str, float], step: int) -> None:
@@ -110,13 +112,18 @@ class RunTelemetry:
             self.loggers.log_image(tag, image, step)
 
     def flush(self) -> None:
-        """At every log interval: loggers flushed, sidecar replaced, heartbeat touched."""
+        """At every log interval: loggers flushed; every few seconds also the sidecar replaced (not fsynced) and the
+        heartbeat touched, so that fast runs do not spend their time rewriting a summary."""
         if not self.active:
             return
         self.loggers.flush()
-        if self.sidecar is not None:
+        if self.heartbeat is not None:
+            self.heartbeat.beat(self.state.global_step)
+        now = time.monotonic()
+        if self.sidecar is not None and now - self._sidecar_at > HEARTBEAT_SECONDS:
             self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
-            self.sidecar.write()
+            self.sidecar.write(durable=False)
+            self._sidecar_at = self._heartbeat_at = now
 
     def checkpoint(self, name: str, *, seconds: float, best: str | None) -> None:
         """A checkpoint was committed: loggers made durable up to it, the sidecar names it."""
@@ -144,6 +151,9 @@ class RunTelemetry:
         try:
             self.loggers.close()
         finally:
+            if self.heartbeat is not None:
+                self.heartbeat.beat(self.state.global_step)
+                self.heartbeat.close()
             if self.sidecar is not None:
                 self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
                 self.sidecar.finish_attempt(status, reason)

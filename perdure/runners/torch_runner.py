@@ -15,6 +15,7 @@ from perdure.distributed.process_group import init_process_group, local_device
 from perdure.runners.base import BaseRunner
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
 
 
 class TorchRunner(BaseRunner):
@@ -30,6 +31,8 @@ class TorchRunner(BaseRunner):
         precision = config.precision
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+        self._found_inf: torch.Tensor | None = None  # buffers of the non-finite check, made at the first step
+        self._unit_scale: torch.Tensor | None = None
 
     def init_distributed(self) -> tuple[int, int]:
         return init_process_group(self.config.dist.backend, self.config.dist.timeout)
@@ -49,7 +52,7 @@ class TorchRunner(BaseRunner):
     def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
         if isinstance(self.model, DistributedDataParallel) and not last_micro_batch:
             return self.model.no_sync()
-        return nullcontext()
+        return NO_CONTEXT
 
     def place_model(self) -> None:
         self.model.to(self.device)
@@ -58,7 +61,7 @@ class TorchRunner(BaseRunner):
 
     def autocast(self) -> AbstractContextManager:
         if self.autocast_dtype is None:
-            return nullcontext()
+            return NO_CONTEXT
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -70,15 +73,12 @@ class TorchRunner(BaseRunner):
         optimizer = self.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
         finite = True
         if self.config.max_grad_norm:
-            norm = torch.nn.utils.clip_grad_norm_(
-                [p for group in optimizer.param_groups for p in group["params"]], self.config.max_grad_norm
-            )
-            finite = bool(torch.isfinite(norm))
-        elif self.config.skip_nonfinite_grad and grads:
-            finite = bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True)))
+            finite = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)))
+        elif self.config.skip_nonfinite_grad:
+            finite = self._grads_finite([p.grad for p in parameters if p.grad is not None])
         if self.world_size > 1:
             finite = all_ranks(finite)  # all-reduced gradients agree already; this makes the skip a joint decision
         if self.scaler is not None:
@@ -90,12 +90,36 @@ class TorchRunner(BaseRunner):
         optimizer.zero_grad(set_to_none=True)
         return finite or not self.config.skip_nonfinite_grad
 
+    def _grads_finite(self, grads: list[torch.Tensor]) -> bool:
+        """One fused pass over the gradients per device (the kernel GradScaler uses, with a scale of exactly 1)."""
+        if not grads:
+            return True
+        if self._found_inf is None:
+            self._found_inf = torch.zeros(1, device=grads[0].device)
+            self._unit_scale = torch.ones(1, device=grads[0].device)
+        found = self._found_inf
+        device = found.device
+        if all(grad.device == device for grad in grads):
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self._unit_scale)
+        else:  # gradients on several devices (a model split by hand): one pass per device
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for grad in grads:
+                by_device.setdefault(grad.device, []).append(grad)
+            for other, group in by_device.items():
+                flag = torch.zeros(1, device=other)
+                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, self._unit_scale.to(other))
+                found.add_(flag.to(device))
+        if found.item():
+            found.zero_()
+            return False
+        return True
+
     def extra_states(self) -> dict[str, Stateful]:
         return {"scaler": self.scaler} if self.scaler is not None else {}
 
     def to_device(self, data: Any) -> Any:
         if isinstance(data, torch.Tensor):
-            return data.to(self.device, non_blocking=True)
+            return data if data.device == self.device else data.to(self.device, non_blocking=True)
         if isinstance(data, Mapping):
             return {key: self.to_device(value) for key, value in data.items()}
         if isinstance(data, (list, tuple)):

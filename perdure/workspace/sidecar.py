@@ -144,7 +144,8 @@ class Sidecar:
                 previous["ended"] = utc_stamp(heartbeat) if heartbeat is not None else None
             lost = 0
             if previous is not None:
-                lost = max(int(previous.get("last_step") or 0) - int(resumed_step), 0)
+                reached = max(int(previous.get("last_step") or 0), heartbeat_step(self.run_dir) or 0)
+                lost = max(reached - int(resumed_step), 0)
             attempt = {
                 "started": started,
                 "ended": None,
@@ -242,13 +243,20 @@ class Sidecar:
         with self._lock:
             return json.loads(_dumps(self._data))
 
-    def write(self) -> None:
-        """Replace `sidecar.json` atomically (stamping `updated`), then touch the heartbeat."""
+    def write(self, durable: bool = True) -> None:
+        """Replace `sidecar.json` atomically (stamping `updated`), then touch the heartbeat. `durable=False` skips
+        the fsyncs: the replace alone survives a killed process, and the sidecar is only a summary (checkpoints
+        and the end of an attempt write it durably)."""
         with self._lock:
             self._data["updated"] = utc_stamp()
             text = _dumps(self._data, indent=2) + "\n"
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, text)
+            if durable:
+                atomic_write_text(self.path, text)
+            else:
+                temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+                temporary.write_text(text)
+                os.replace(temporary, self.path)
         touch_heartbeat(self.run_dir)
 
 
@@ -257,6 +265,34 @@ def touch_heartbeat(run_dir: Path) -> None:
     path = Path(run_dir) / HEARTBEAT_NAME
     path.touch(exist_ok=True)
     os.utime(path)
+
+
+class Heartbeat:
+    """The live run's heartbeat: `beat(step)` rewrites, in place, how far training got (which also moves the mtime).
+
+    One fixed-width write on a file kept open costs about a microsecond, so it can be called at every log line;
+    `start_attempt` reads the step to count the steps an interruption cost.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / HEARTBEAT_NAME
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+
+    def beat(self, step: int) -> None:
+        os.pwrite(self._fd, f"{int(step):>20}\n".encode(), 0)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def heartbeat_step(run_dir: Path) -> int | None:
+    """The step the heartbeat last recorded, or None (no heartbeat, or one that only marks time)."""
+    try:
+        return int((Path(run_dir) / HEARTBEAT_NAME).read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def heartbeat_mtime(run_dir: Path) -> float | None:

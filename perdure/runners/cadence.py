@@ -1,0 +1,36 @@
+"""Cadence: when the loop logs, evaluates and saves, read from the config once per `train()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from perdure.config import RunnerConfig
+
+DEFAULT_STEP_INTERVAL = 500
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Intervals in optimizer steps (step mode) or epochs (epoch mode, except `save_every_steps`)."""
+
+    by_epoch: bool
+    log_every: int
+    eval_every: int
+    save_every: int
+    save_every_steps: int | None  # extra mid-epoch saves in epoch mode
+    save_best: bool
+
+    @classmethod
+    def from_config(cls, config: RunnerConfig) -> Cadence:
+        by_epoch = config.training_mode() == "epochs"
+        default = 1 if by_epoch else DEFAULT_STEP_INTERVAL
+        save_every = config.ckpt.interval or default
+        return cls(
+            by_epoch=by_epoch,
+            log_every=config.log.interval,
+            # step mode: evaluate where checkpoints are taken unless told otherwise, so `best` can point at one
+            eval_every=config.eval_interval or (1 if by_epoch else save_every),
+            save_every=save_every,
+            save_every_steps=config.ckpt.interval_steps if by_epoch else None,
+            save_best=bool(config.ckpt.save_best),
+        )
