@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing as torch_mp
 
-from perdure.checkpoints.snapshot import Snapshot
+from perdure.checkpoints.snapshot import BufferPool, Snapshot
 
 if TYPE_CHECKING:
     from perdure.checkpoints.base import CheckpointManager
@@ -70,6 +70,7 @@ class AsyncSaver:
         self._snapshots: list[Snapshot] = []
         self._outcomes: list[SaveOutcome] = []
         self._closed = False
+        self.pool = BufferPool(shared_memory=mode == "process")
         # The writer process starts now, while training warms up, so the first save does not wait for its imports.
         self._writer = _WriterProcess(manager) if mode == "process" else None
         self._thread = threading.Thread(target=self._run, name="perdure-checkpoint-writer", daemon=True)
@@ -93,6 +94,9 @@ class AsyncSaver:
         if drop:
             names = ", ".join(job.name for job, _ in claimed)
             logger.info("checkpoint %s superseded by a newer save before it was written", names)
+            for _, snapshot in claimed:  # copied already: the loop waited for it before its last optimizer step
+                snapshot.wait()
+                self.pool.give_back(snapshot.buffers)
             claimed = []
         with self._condition:
             if claimed:  # another rank's writer already started it: every rank writes it
@@ -164,6 +168,9 @@ class AsyncSaver:
             except BaseException as failure:  # kept and reported on the loop's next save
                 error = f"{type(failure).__name__}: {failure}"
             outcome = SaveOutcome(job.name, str(job.meta.get("reason")), time.perf_counter() - started, error)
+            # The save is over: its buffers serve the next snapshot, and this thread lets go of them at once.
+            self.pool.give_back(snapshot.buffers)
+            job = snapshot = None
             with self._condition:
                 self._outcomes.append(outcome)
                 self._in_flight = None

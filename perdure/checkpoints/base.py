@@ -175,9 +175,7 @@ class CheckpointManager(ABC):
             saver.drain()
             self.commit_job(job)
             return final
-        snapshot = Snapshot(
-            job.replicated, job.local, deferred=deferred, shared_memory=self.policy.async_mode == "process"
-        )
+        snapshot = Snapshot(job.replicated, job.local, deferred=deferred, pool=saver.pool)
         job.replicated, job.local = {}, {}
         saver.submit(job, snapshot)
         return final

@@ -20,6 +20,33 @@ def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return (tensor.device.type, tensor.untyped_storage().data_ptr())
 
 
+class BufferPool:
+    """CPU buffers of past snapshots, reused by the next one.
+
+    A fresh 1 GB buffer costs a page fault per 4 KB page on its first write, about as much as the copy itself; a
+    reused one does not. Buffers come back only once their save is committed (or dropped), so a buffer is never
+    written while it is being read. The pool keeps about one snapshot's worth of memory between saves.
+    """
+
+    def __init__(self, shared_memory: bool = False) -> None:
+        self.shared_memory = shared_memory
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((tuple(shape), dtype))
+            if free:
+                return free.pop()
+        buffer = torch.empty(shape, dtype=dtype, device="cpu")
+        return buffer.share_memory_() if self.shared_memory else buffer
+
+    def give_back(self, buffers: Iterable[torch.Tensor]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                self._free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+
+
 class Snapshot:
     """Copies of `replicated` and `local` state trees; `wait()` returns once every tensor is copied."""
 
@@ -30,9 +57,11 @@ class Snapshot:
         *,
         deferred: Iterable[torch.Tensor] = (),
         shared_memory: bool = False,
+        pool: BufferPool | None = None,
     ) -> None:
         self._deferred_keys = {storage_key(t) for t in deferred}
-        self._shared = shared_memory
+        self._pool = pool or BufferPool(shared_memory)
+        self.buffers: list[torch.Tensor] = []  # every buffer this snapshot holds, to give back to the pool
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.nbytes = 0
         self.replicated = self._copy_tree(replicated)
@@ -66,9 +95,8 @@ class Snapshot:
 
     def _copy_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
-        target = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=False)
-        if self._shared:
-            target.share_memory_()
+        target = self._pool.take(tensor.shape, tensor.dtype)
+        self.buffers.append(target)
         self.nbytes += tensor.numel() * tensor.element_size()
         if storage_key(tensor) in self._deferred_keys:
             self._pending.append((target, tensor))
