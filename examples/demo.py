@@ -96,7 +96,12 @@ class Training:
         return code
 
     def kill(self) -> int:
-        os.killpg(self.process.pid, signal.SIGKILL)
+        """SIGKILL the training and every process it started (torchrun puts each rank in a session of its own)."""
+        for pid in [*descendants(self.process.pid), self.process.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return self.wait()
 
     def output(self) -> str:
@@ -104,6 +109,23 @@ class Training:
 
     def last_step_logged(self) -> int | None:
         return max(progress(self), default=None)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, from /proc (children before their own children)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        child = queue.pop(0)
+        found.append(child)
+        queue.extend(children.get(child, []))
+    return found
 
 
 def progress(training: Training) -> dict[int, str]:
@@ -205,7 +227,9 @@ def main() -> None:
     say(f"  killed (exit status {code}); the last progress line it printed was step {run.last_step_logged()}")
     say("  what survived on disk:")
     show_checkpoints(directory / "checkpoints")
-    say(f"  model.pth exists: {(directory / 'model.pth').exists()} (it is written when training completes)")
+    if (directory / "model.pth").exists():
+        fail("training completed before the kill reached it (model.pth exists); raise --step-delay")
+    say("  model.pth does not exist: it is written when training completes")
 
     step(3, "Run the exact same command again: no flag, no path; it finds its own checkpoint and resumes")
     rerun = Training(interrupted, args.step_delay, nproc=args.nproc)

@@ -57,5 +57,5 @@ def test_demo_reports_identical_parameters(tmp_path):
 def test_demo_under_torchrun_with_two_ranks(tmp_path):
     result = run("demo.py", "--root", str(tmp_path / "demo"), "--nproc", "2")
     assert "torchrun --standalone --nproc_per_node=2" in result.stdout
-    assert "resuming from" in result.stdout
+    assert "resuming from" in result.stdout and "nothing to train" not in result.stdout
     assert "verdict: IDENTICAL" in result.stdout, result.stdout

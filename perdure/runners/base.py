@@ -43,7 +43,7 @@ from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.evaluation import EvaluationMixin
 from perdure.runners.export import read_weights
 from perdure.runners.optim import build_optimizer, build_scheduler
-from perdure.runners.rng import seed_everything
+from perdure.runners.rng import derived_seed, seed_everything
 from perdure.runners.state import RunnerState
 from perdure.runners.telemetry import RunTelemetry
 from perdure.workspace.run_dir import resolve_run_dir
@@ -189,6 +189,10 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         """Called once after the user's `__init__`: fill in defaults, place the model, build loaders, restore."""
         if self.model is None:
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.model before it returns")
+        # The model was initialised from `seed` on every rank alike; from here on each rank draws its own stream
+        # (dropout masks differ across ranks; rank 0 keeps the stream of a single-process run).
+        if self.rank > 0:
+            seed_everything(derived_seed(self.config.seed, self.rank))
         self.place_model()
         if self.optimizer is None:
             self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
@@ -569,6 +573,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
                 seed=self.config.seed,
                 rank=self.rank,
                 world_size=self.world_size,
+                pad=split == "train",  # evaluation shares are uneven rather than padded with repeats
             )
 
     def total_steps_hint(self) -> int:
