@@ -1,6 +1,6 @@
 """Run the benchmarks (`make bench`): each in its own process, then one summary table.
 
-    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [--strict]
+    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [--strict]
 
 Each benchmark prints its own table and writes `bench-results/<name>.json`. A missed target is reported, not
 failed: this exits non-zero only when a benchmark crashes, or with `--strict` when a target is missed.
@@ -22,7 +22,7 @@ from typing import Any
 from _common import DEFAULT_THREADS, RESULTS_DIR, format_table
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("step_overhead", "save_throughput", "async_stall")
+BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save")
 
 
 def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
@@ -55,6 +55,12 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
             [name, "deep verify, warm cache, s", f"{results['verify_warm_seconds']:.3f}", "", ""],
             [name, "deep verify, cold cache, s", f"{results['verify_cold_seconds']:.3f}", "", ""],
         ]
+    if name == "dcp_save":
+        return [
+            [name, f"{key}: blocked s / committed s", f"{r['blocked_median_s']:.2f} / {r['committed_median_s']:.2f}",
+             "", ""]
+            for key, r in results.items()
+        ]  # fmt: skip
     if name == "async_stall":
         return [
             [name, f"{mode}: stall per save s / total s / peak RSS GiB", f"{r['stall_per_save_s']:.3f} / "
