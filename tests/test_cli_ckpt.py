@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -218,7 +217,6 @@ def test_export_ema_of_one_checkpoint(run, tmp_path, capsys):
         assert torch.equal(weights[key], tensor * 0.5), key
 
 
-@pytest.mark.skipif(importlib.util.find_spec("safetensors") is None, reason="safetensors is not installed")
 def test_export_safetensors(run, tmp_path, capsys):
     from safetensors.torch import load_file
 

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from perdure.checkpoints.async_save import AsyncSaver, _raise_open_file_limit
 from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, hash_file, write_file
-from perdure.checkpoints.file import local_file
+from perdure.checkpoints.file import local_file, read_local_states
 from perdure.errors import CheckpointError, CheckpointSaveError
 
 logger = logging.getLogger("perdure")
@@ -189,14 +189,7 @@ class DCPCheckpointManager(CheckpointManager):
                 state.load_state_dict(template[key])
             elif key in plain:
                 state.load_state_dict(plain[key])
-        local_path = path / local_file(self.rank)
-        if not local_path.exists():
-            return False
-        local = torch.load(local_path, map_location="cpu", weights_only=True)
-        for key, state in local_states.items():
-            if key in local:
-                state.load_state_dict(local[key])
-        return True
+        return read_local_states(path, self.rank, local_states)
 
 
 @contextmanager

@@ -53,11 +53,17 @@ class FileCheckpointManager(CheckpointManager):
         for key, state in states.items():
             if key in replicated:
                 state.load_state_dict(replicated[key])
-        local_path = path / local_file(self.rank)
-        if not local_path.exists():
-            return False
-        local = torch.load(local_path, map_location="cpu", weights_only=True)
-        for key, state in local_states.items():
-            if key in local:
-                state.load_state_dict(local[key])
-        return True
+        return read_local_states(path, self.rank, local_states)
+
+
+def read_local_states(path: Path, rank: int, local_states: Mapping[str, Stateful]) -> bool:
+    """Load `rank{rank:05d}.pth` of a checkpoint into the rank-local objects; False when the checkpoint has none for
+    this rank (it was written by fewer ranks). Shared by every backend: rank-local state is always such a file."""
+    local_path = path / local_file(rank)
+    if not local_path.exists():
+        return False
+    local = torch.load(local_path, map_location="cpu", weights_only=True)
+    for key, state in local_states.items():
+        if key in local:
+            state.load_state_dict(local[key])
+    return True
