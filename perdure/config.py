@@ -8,10 +8,8 @@ before anything is written.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +19,8 @@ import chanfig
 import yaml
 from typing_extensions import Self
 
+from perdure import config_text
+from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
 
 STACKS = ("torch", "parallel", "deepspeed")
@@ -38,19 +38,6 @@ PROGRESS_MODES = ("auto", "bar", "lines")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
 
-# Keys holding a path or a name: command-line text is kept verbatim (no YAML typing); "none" / "null" clear them.
-OPTIONAL_STR_KEYS = frozenset(
-    {
-        "checkpoint",
-        "pretrained",
-        "workspace.root",
-        "workspace.lineage",
-        "workspace.id",
-        "ckpt.export_dtype",
-        "wandb.project",
-        "wandb.entity",
-    }
-)
 
 _CHOICES: dict[str, tuple] = {
     "stack": STACKS,
@@ -87,11 +74,6 @@ _BOOLS = (
     "tensorboard.enabled",
     "wandb.enabled",
 )
-_TRUE = ("true", "yes", "1")
-_FALSE = ("false", "no", "0")
-_NULL = ("none", "null", "~")
-_NUMBER = re.compile(r"^[+-]?(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?$")
-_BARE = object()  # marker: an option given without a value
 _MISSING = object()
 # Non-key attribute (chanfig `setattr`) holding the dotted keys given on the command line: not in to_plain / yaml /
 # the canonical config, so it never changes config_id.
@@ -219,8 +201,8 @@ class RunnerConfig(chanfig.Config):
         """
         install_excepthook()
         try:
-            files, overrides = _split_argv(list(sys.argv[1:] if args is None else args))
-            if ("--help", _BARE) in overrides:
+            files, overrides = config_text.split_argv(list(sys.argv[1:] if args is None else args))
+            if ("--help", config_text.BARE) in overrides:
                 print(self._usage())
                 raise SystemExit(0)
             for file in files:
@@ -240,7 +222,7 @@ class RunnerConfig(chanfig.Config):
         layer: dict[str, Any] = {}
         for name, text in overrides:
             key = self._resolve_key(name, known, text)
-            layer[key] = _coerce_text(key, text, self._current(key))
+            layer[key] = config_text.coerce_text(key, text, self._current(key))
         return layer
 
     def _file_layer(self, file: str) -> dict[str, Any]:
@@ -260,7 +242,7 @@ class RunnerConfig(chanfig.Config):
         layer: dict[str, Any] = {}
         for name, value in flatten(data).items():
             key = self._resolve_key(name, known, value)
-            layer[key] = _coerce_value(key, value, self._current(key))
+            layer[key] = config_text.coerce_value(key, value, self._current(key))
         return layer
 
     def _apply(self, layer: Mapping[str, Any]) -> None:
@@ -276,7 +258,11 @@ class RunnerConfig(chanfig.Config):
         for key in (name, name.replace("-", "_")):
             if key in known or self._is_split_key(key, known):
                 return key
-        raise ConfigError(name, _shown(value), f"unknown key; {_suggest(name, known | self._split_candidates(name))}")
+        raise ConfigError(
+            name,
+            config_text.shown(value),
+            f"unknown key; {config_text.suggest(name, known | self._split_candidates(name))}",
+        )
 
     def _is_split_key(self, key: str, known: set[str]) -> bool:
         """`dataloader.<split>.<option>`: a per-split override for any split name."""
@@ -328,7 +314,7 @@ class RunnerConfig(chanfig.Config):
         _check_int("seed", get("seed"), None)
         _check_number("dist.timeout", get("dist.timeout"), "a number of seconds > 0", lambda x: x > 0)
         exit_code = get("resilience.exit_code")
-        if exit_code is not None and not (_is_int(exit_code) and 0 <= exit_code <= 255):
+        if exit_code is not None and not (is_int(exit_code) and 0 <= exit_code <= 255):
             raise ConfigError("resilience.exit_code", exit_code, "use an integer from 0 to 255, or None for 128+signal")
         for key, (minimum, optional) in _COUNTS.items():
             _check_int(key, get(key), minimum, optional)
@@ -347,7 +333,7 @@ class RunnerConfig(chanfig.Config):
         _check_number("sched.min_lr_ratio", get("sched.min_lr_ratio"), "a number in [0, 1]", lambda x: 0 <= x <= 1)
         betas = get("optim.betas")
         if not (
-            isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)
+            isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)
         ):
             raise ConfigError("optim.betas", betas, "use two numbers in [0, 1), e.g. [0.9, 0.999]")
         for key in ("score.split", "score.metric"):
@@ -421,146 +407,6 @@ def _lookup(mapping: Mapping[str, Any], key: str) -> Any:
     return value
 
 
-# ---------------------------------------------------------------------- command line
-
-
-def _split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
-    """Split argv into `--config` files and `(key, text)` overrides; a bare option's text is `_BARE`."""
-    files: list[str] = []
-    overrides: list[tuple[str, Any]] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token in ("-h", "--help"):
-            return files, [("--help", _BARE)]
-        if not token.startswith("--") or len(token) == 2:
-            raise ConfigError("argv", token, "positional arguments are not accepted; write options as --key value")
-        name, text = token[2:], _BARE
-        if "=" in name:
-            name, text = name.split("=", 1)
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            i += 1
-            text = argv[i]
-        i += 1
-        if name == "config":
-            if text is _BARE:
-                raise ConfigError("config", None, "--config needs a file: --config path/to/config.yaml")
-            files.append(text)
-        else:
-            overrides.append((name, text))
-    return files, overrides
-
-
-def _coerce_text(key: str, text: Any, current: Any) -> Any:
-    """Turn command-line text into a value of the type `key` holds now."""
-    if text is _BARE:
-        if key == "resume" or isinstance(current, bool):
-            return True
-        raise ConfigError(key, current, f"--{key} was given without a value; write --{key} VALUE")
-    low = text.strip().lower()
-    if key == "resume":
-        if low == "auto":
-            return "auto"
-        if low in _TRUE or low in _FALSE:
-            return low in _TRUE
-        raise ConfigError(key, text, "use auto, true or false (a bare --resume means true)")
-    if key in OPTIONAL_STR_KEYS:
-        return None if low in _NULL or not low else text
-    if isinstance(current, bool):
-        if low in _TRUE or low in _FALSE:
-            return low in _TRUE
-        raise ConfigError(key, text, "use true or false (also yes/no, 1/0)")
-    if low in _NULL and isinstance(current, (int, float, list, tuple)):
-        return None
-    if isinstance(current, int):
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(key, text, f"use an integer, e.g. --{key} {current}") from None
-    if isinstance(current, float):
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(key, text, f"use a number, e.g. --{key} {current}") from None
-    if isinstance(current, str):
-        return text
-    if isinstance(current, (list, tuple)):
-        return _parse_list(key, text, current)
-    return _parse_scalar(text)
-
-
-def _coerce_value(key: str, value: Any, current: Any) -> Any:
-    """Adapt a value read from a config file: strings are coerced like command-line text, ints widen to floats."""
-    if isinstance(value, str) and (key == "resume" or not isinstance(current, str)):
-        return _coerce_text(key, value, current)
-    if key in OPTIONAL_STR_KEYS and value is not None:
-        return str(value)
-    if isinstance(current, float) and _is_number(value):
-        return float(value)
-    return value
-
-
-def _parse_scalar(text: str) -> Any:
-    """YAML typing for a value whose key holds None: `1e-3` is a float, `none` / `null` are None."""
-    if text.strip().lower() in _NULL:
-        return None
-    if _NUMBER.match(text.strip()):
-        number = float(text)
-        return int(text) if re.fullmatch(r"[+-]?\d[\d_]*", text.strip()) else number
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    return value if isinstance(value, (type(None), bool, int, float, str, list, dict)) else text
-
-
-def _parse_list(key: str, text: str, current: Sequence[Any]) -> list[Any]:
-    """`[1, 2]` (YAML flow) or `1,2`; items of a list of floats become floats."""
-    stripped = text.strip()
-    if stripped.startswith("["):
-        try:
-            items = yaml.safe_load(stripped)
-        except yaml.YAMLError:
-            items = None
-        if not isinstance(items, list):
-            raise ConfigError(key, text, f"use a list like --{key} [1, 2] or --{key} 1,2")
-        items = [_parse_scalar(item) if isinstance(item, str) else item for item in items]
-    else:
-        items = [_parse_scalar(item.strip()) for item in stripped.split(",")] if stripped else []
-    if current and all(isinstance(item, float) for item in current):
-        items = [float(item) if _is_number(item) else item for item in items]
-    return items
-
-
-def _shown(value: Any) -> Any:
-    return None if value is _BARE else value
-
-
-def _suggest(name: str, known: set[str]) -> str:
-    """`did you mean 'x'?`, or a list of keys near `name`."""
-    leaf = name.rsplit(".", 1)[-1]
-
-    def similar(a: str, b: str, cutoff: float) -> bool:
-        return difflib.SequenceMatcher(None, a, b).ratio() >= cutoff
-
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
-    if not close:  # same option name in another section: `--lr` -> `optim.lr`
-        close = [key for key in sorted(known) if similar(leaf, key.rsplit(".", 1)[-1], 0.75)]
-    if not close:  # a looser whole-key match, as long as the option names look alike
-        loose = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-        close = [key for key in loose if similar(leaf, key.rsplit(".", 1)[-1], 0.5)]
-    if len(close) == 1:
-        return f"did you mean '{close[0]}'?"
-    if close:
-        return f"did you mean one of {', '.join(close[:5])}?"
-    section = name.rsplit(".", 1)[0] + "." if "." in name else ""
-    nearby = [key for key in sorted(known) if section and key.startswith(section)]
-    if not nearby:
-        nearby = sorted({key.split(".")[0] for key in known})
-        return f"top-level keys and sections are: {', '.join(nearby)}"
-    return f"keys in '{section[:-1]}' are: {', '.join(nearby)}"
-
-
 def install_excepthook() -> None:
     """Print an uncaught `PerdureError` as one line `error: <message>` (no traceback). Idempotent."""
     if getattr(sys.excepthook, "_perdure", False):
@@ -580,18 +426,10 @@ def install_excepthook() -> None:
 # ---------------------------------------------------------------------- validators
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_int(key: str, value: Any, minimum: int | None, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not _is_int(value) or (minimum is not None and value < minimum):
+    if not is_int(value) or (minimum is not None and value < minimum):
         wanted = "an integer" if minimum is None else f"an integer >= {minimum}"
         raise ConfigError(key, value, f"use {wanted}{' or None' if optional else ''}")
 
@@ -610,7 +448,7 @@ def _check_bool(key: str, value: Any) -> None:
 def _check_number(key: str, value: Any, wanted: str, ok: Any, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not _is_number(value) or not ok(value):
+    if not is_number(value) or not ok(value):
         raise ConfigError(key, value, f"use {wanted}")
 
 
