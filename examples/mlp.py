@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from perdure import Runner, RunnerConfig
+from perdure import ConfigError, Runner, RunnerConfig
 
 
 class Config(RunnerConfig):
@@ -53,6 +53,13 @@ class Config(RunnerConfig):
         self.data.seed = 0
         self.net.hidden = 128
         self.net.dropout = 0.1
+
+    def check_user_keys(self):
+        # Our own keys are checked like perdure's: after --config and the command line, before anything is written.
+        if not 0 < self.data.val_fraction < 1:
+            raise ConfigError("data.val_fraction", self.data.val_fraction, "use a fraction in (0, 1), e.g. 0.125")
+        if not 0 <= self.net.dropout < 1:
+            raise ConfigError("net.dropout", self.net.dropout, "use a probability in [0, 1), e.g. 0.1")
 
 
 def make_dataset(samples, features, classes, clusters, noise, val_fraction, seed):

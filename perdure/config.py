@@ -132,6 +132,8 @@ class RunnerConfig(chanfig.Config):
         self.workspace.root = None
         self.workspace.lineage = None
         self.workspace.id = None
+        # Pins the code part of the run directory's name: continue a run after a code change (see docs/workspace.md).
+        self.workspace.code_id = None
         self.workspace.tags = []
         self.log.interval = 50
         self.log.progress = "auto"  # auto: a progress bar on a terminal, plain lines otherwise
@@ -339,14 +341,22 @@ class RunnerConfig(chanfig.Config):
         for key in ("score.split", "score.metric"):
             if not isinstance(get(key), str) or not get(key):
                 raise ConfigError(key, get(key), "use a non-empty name")
-        for key in ("workspace.root", "workspace.lineage", "workspace.id"):
+        for key in ("workspace.root", "workspace.lineage", "workspace.id", "workspace.code_id"):
             if get(key) is not None and not isinstance(get(key), (str, os.PathLike)):
                 raise ConfigError(key, get(key), "use a string or None")
         tags = get("workspace.tags")
         if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
         self._check_loaders(c.get("dataloader", {}))
+        self.check_user_keys()
         return self
+
+    def check_user_keys(self) -> None:
+        """Override point: check the keys your subclass adds, raising `ConfigError(key, value, fix)` for a bad value.
+
+        Called at the end of `check()`, which `parse()` runs, and again when a runner is built: always before anything
+        is written, so a bad value never leaves a run directory behind. Must not change the config. Default: nothing.
+        """
 
     def _check_loaders(self, loader: Mapping[str, Any]) -> None:
         _check_loader("dataloader", loader, required=True)

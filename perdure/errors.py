@@ -37,3 +37,8 @@ class StackNotAvailableError(PerdureError):
 
 class CheckpointSaveError(CheckpointError):
     """A save failed (disk full, I/O error, ...). Committed checkpoints are intact; the message says which save."""
+
+
+class CheckpointStateError(CheckpointError):
+    """The state to checkpoint cannot be serialized at all (a user object torch cannot save): no save will ever work,
+    so the run stops at its first save instead of training on without checkpoints."""

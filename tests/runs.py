@@ -14,6 +14,9 @@ import torch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
+# Test runs pin the code part of their run directory: a test that kills and reruns a program must find the same run
+# even when the checkout is edited meanwhile (tests of the code identity itself use repositories of their own).
+PINNED_CODE = ("--workspace.code_id", "tests")
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -25,7 +28,7 @@ def environment(**extra: str) -> dict[str, str]:
 
 def run(script: str, root: Path, *args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
     """Run a training script to completion with `workspace.root = root`."""
-    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *args]
+    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *PINNED_CODE, *args]
     return subprocess.run(command, env=environment(**env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -33,7 +36,7 @@ def run_until_killed(
     script: str, root: Path, *args: str, when_exists: str, delay: float = 0.0, timeout: float = 240, **env: str
 ) -> subprocess.CompletedProcess:
     """Start a run, wait until `root/<glob when_exists>` exists, wait `delay` more, then SIGKILL it."""
-    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *args]
+    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *PINNED_CODE, *args]
     process = subprocess.Popen(
         command, env=environment(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -105,7 +108,7 @@ def start_ranks(
             MASTER_PORT=port,
             **env,
         )
-        command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *args]
+        command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *PINNED_CODE, *args]
         processes.append(
             subprocess.Popen(command, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )

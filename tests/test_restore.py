@@ -104,14 +104,25 @@ def test_own_checkpoint_wins_over_explicit_sources(tmp_path, caplog):
     assert runner.restore_source.kind == "resume"
 
 
-def test_a_live_runner_holds_its_run_dir(tmp_path):
+def test_a_training_runner_holds_its_run_dir(tmp_path):
     from perdure.resilience.run_lock import RunLockedError
 
-    first = ResumableRunner(make_config(tmp_path))
-    with pytest.raises(RunLockedError, match="in use by pid"):
-        ResumableRunner(make_config(tmp_path))
-    first.close()
-    ResumableRunner(make_config(tmp_path)).close()
+    refused = []
+
+    class Nested(ResumableRunner):
+        def train_step(self, batch):
+            if self.state.global_step == 2 and not refused:
+                with pytest.raises(RunLockedError, match="in use by pid"):
+                    ResumableRunner(config())  # a second launch fails before it builds anything
+                refused.append(True)
+            return super().train_step(batch)
+
+    def config():
+        return make_config(tmp_path, **{"workspace.lineage": "nested"})
+
+    Nested(config()).train()
+    assert refused
+    assert ResumableRunner(config()).train()  # released at the end: the run continues (already done)
 
 
 def test_from_checkpoint_rebuilds_config_and_state(tmp_path):

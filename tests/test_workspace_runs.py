@@ -109,7 +109,8 @@ def test_status_transitions_and_the_registry(tmp_path, capsys):
     with pytest.raises(RuntimeError, match="boom"):
         Exploding(make_config(tmp_path, **{"optim.lr": 0.02})).train()
     stale = ResumableRunner(make_config(tmp_path, **{"optim.lr": 0.03}))
-    stale.telemetry.flush()  # a run that started, logged, and then went silent without ending
+    stale._begin_attempt()  # what train() does first: a run that started, logged, and then went silent
+    stale.telemetry.flush()
     old = time.time() - 3600
     os.utime(stale.run_dir.path / "heartbeat", (old, old))
     train(tmp_path, **{"optim.lr": 0.5})

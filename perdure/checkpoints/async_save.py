@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import pickle
 import resource
 import signal
 import threading
@@ -18,11 +19,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing as torch_mp
 
+from perdure.checkpoints.save_errors import save_failure
 from perdure.checkpoints.snapshot import BufferPool, Snapshot
+from perdure.errors import CheckpointSaveError, CheckpointStateError
 
 if TYPE_CHECKING:
     from perdure.checkpoints.base import CheckpointManager
@@ -44,16 +48,19 @@ class SaveJob:
     persistent: bool
     protected: frozenset[str] = field(default_factory=frozenset)
     sequence: int = 0  # which save of this attempt it is: the same on every rank, so it names the staging dir
+    nbytes: int = 0  # bytes of tensors in the state: what the save needs on disk, about
 
 
 @dataclass
 class SaveOutcome:
-    """How a background save ended: `error` is None on success."""
+    """How a background save ended: `error` is None on success; `fatal` when the state can never be saved (see
+    `save_errors.py`), as opposed to an I/O failure training may survive."""
 
     name: str
     reason: str
     seconds: float
     error: str | None = None
+    fatal: bool = False
 
 
 class AsyncSaver:
@@ -157,7 +164,7 @@ class AsyncSaver:
                 self._in_flight = job.name
                 self._condition.notify_all()
             started = time.perf_counter()
-            error = None
+            error, fatal = None, False
             try:
                 snapshot.wait()
                 job.replicated, job.local = snapshot.replicated, snapshot.local
@@ -166,8 +173,10 @@ class AsyncSaver:
                 else:
                     self._writer.commit(job)
             except BaseException as failure:  # kept and reported on the loop's next save
-                error = f"{type(failure).__name__}: {failure}"
-            outcome = SaveOutcome(job.name, str(job.meta.get("reason")), time.perf_counter() - started, error)
+                reported = save_failure(failure, name=job.name, root=self.manager.root, needed=job.nbytes)
+                error, fatal = str(reported), isinstance(reported, CheckpointStateError)
+            reason = str(job.meta.get("reason"))
+            outcome = SaveOutcome(job.name, reason, time.perf_counter() - started, error, fatal)
             # The save is over: its buffers serve the next snapshot, and this thread lets go of them at once.
             self.pool.give_back(snapshot.buffers)
             job = snapshot = None
@@ -182,6 +191,7 @@ class _WriterProcess:
 
     def __init__(self, manager: CheckpointManager) -> None:
         _raise_open_file_limit()
+        self.root = manager.root
         context = torch_mp.get_context("spawn")
         self.jobs = context.Queue()
         self.results = context.Queue()
@@ -194,20 +204,26 @@ class _WriterProcess:
         self.process.start()
 
     def commit(self, job: SaveJob) -> None:
-        self.jobs.put(job)
+        # Pickled here, not in the queue's feeder thread, which would only print a failure and drop the job.
+        try:
+            payload = bytes(ForkingPickler.dumps(job))  # a memoryview otherwise, which the queue cannot send
+        except Exception as error:
+            raise save_failure(error, name=job.name, root=self.root) from error
+        self.jobs.put(payload)
+        del payload
         while True:
             try:
-                name, error = self.results.get(timeout=1.0)
+                name, error, fatal = self.results.get(timeout=1.0)
                 break
             except Exception:
                 if not self.process.is_alive():
-                    raise RuntimeError(
+                    raise CheckpointSaveError(
                         f"the checkpoint writer process died (exit {self.process.exitcode}; its error is above). "
                         "It must be able to import the training script under an `if __name__ == '__main__':` guard "
                         "and the checkpoint manager's class by name; or use ckpt.async_mode=thread"
                     ) from None
         if error is not None:
-            raise RuntimeError(error)
+            raise (CheckpointStateError if fatal else CheckpointSaveError)(error)
 
     def stop(self) -> None:
         self.jobs.put(None)
@@ -221,14 +237,17 @@ def _writer_main(manager: CheckpointManager, jobs: Any, results: Any, parent: in
     if os.getppid() != parent:
         return
     while True:
-        job = jobs.get()
-        if job is None:
+        payload = jobs.get()
+        if payload is None:
             return
+        job = pickle.loads(payload)
+        del payload
         try:
             manager.commit_job(job)
-            results.put((job.name, None))
+            results.put((job.name, None, False))
         except BaseException as failure:
-            results.put((job.name, f"{type(failure).__name__}: {failure}"))
+            reported = save_failure(failure, name=job.name, root=manager.root, needed=job.nbytes)
+            results.put((job.name, str(reported), isinstance(reported, CheckpointStateError)))
 
 
 def _die_with_parent() -> None:

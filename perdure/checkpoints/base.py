@@ -26,7 +26,9 @@ from perdure.checkpoints.commit import (
     write_pointer,
 )
 from perdure.checkpoints.gather import gather_records, publish_records
-from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_latest
+from perdure.checkpoints.resolve import CheckpointInfo, Resolution, committed_checkpoints, find_latest, report
+from perdure.checkpoints.resolve import repair as repair_checkpoints
+from perdure.checkpoints.save_errors import save_failure
 from perdure.checkpoints.snapshot import Snapshot, available_memory, snapshot_nbytes
 from perdure.distributed.collectives import all_ranks
 from perdure.errors import CheckpointError, PerdureError
@@ -107,17 +109,47 @@ class CheckpointManager(ABC):
         self._saver: AsyncSaver | None = None
         self._saves = 0
         self.quarantined: list[str] = []
+        self.resolution: Resolution | None = None  # what `resolve` found, for `repair`
 
     # ---- what the runner calls -------------------------------------------------------------------------------
 
     def resolve(self) -> CheckpointInfo | None:
-        """The newest checkpoint of this run that verifies, quarantining bad ones (only when writes are allowed)."""
+        """The newest checkpoint of this run that verifies. Reads only: what is wrong (bad checkpoints, staging
+        leftovers, pointers) is reported now and fixed by `repair` when training starts."""
         if not self.root.is_dir():
             return None
-        info = resolve_latest(self.root, repair=self.policy.enabled and self.rank == 0)
+        self.resolution = find_latest(self.root)
+        fate = "left in place (moved to quarantine when training starts)" if self.policy.enabled else "skipped"
+        report(self.resolution, logger.warning, default_fate=fate)
         quarantine_dir = self.root / QUARANTINE_DIR
         self.quarantined = sorted(path.name for path in quarantine_dir.iterdir()) if quarantine_dir.is_dir() else []
-        return info
+        self.quarantined += [path.name for path, _ in self.resolution.failures]
+        return self.resolution.chosen
+
+    def repair(self) -> None:
+        """Rank 0, holding the run lock, when training starts: quarantine what `resolve` found bad and fix pointers.
+
+        Refuses (CheckpointError) when a checkpoint was committed since `resolve` (another process trained this run
+        meanwhile): the state this runner restored is then not the run's newest.
+        """
+        resolution = self.resolution
+        if resolution is None or self.rank != 0 or not self.policy.enabled:
+            return
+        known = {path.name for path, _ in resolution.failures}
+        chosen = resolution.chosen.name if resolution.chosen is not None else None
+        for path in committed_checkpoints(self.root):
+            if path.name == chosen:
+                break
+            if path.name not in known:
+                raise CheckpointError(
+                    f"{path} was committed after this runner restored {chosen or 'nothing'} (another process trained "
+                    "this run meanwhile); build the runner again to continue from the newest checkpoint"
+                )
+        if resolution.needs_repair:
+            fates = repair_checkpoints(resolution, logger.warning)
+            for path, fate in fates.items():
+                logger.warning("CHECKPOINT REPAIR: %s %s", path, fate)
+        self.resolution = None
 
     def save(
         self,
@@ -144,7 +176,10 @@ class CheckpointManager(ABC):
         final = self.root / name
         if final.exists():
             return final
-        replicated, local = self.snapshot_states(states, local_states)
+        try:
+            replicated, local = self.snapshot_states(states, local_states)
+        except Exception as error:
+            raise save_failure(error, name=name, root=self.root) from error
         self._saves += 1
         job = SaveJob(
             name=name,
@@ -156,9 +191,10 @@ class CheckpointManager(ABC):
             persistent=persistent,
             protected=frozenset({self.resumed_from} - {None}),
             sequence=self._saves,
+            nbytes=snapshot_nbytes([replicated, local]),
         )
         if self.policy.async_mode == "disabled":
-            self.commit_job(job)
+            self._commit_now(job)
             return final
         saver = self._async_saver()
         # With several ranks a queued save is dropped only when every rank drops it: ranks must commit the same saves.
@@ -173,12 +209,23 @@ class CheckpointManager(ABC):
                 available / 1e9,
             )
             saver.drain()
-            self.commit_job(job)
+            self._commit_now(job)
             return final
-        snapshot = Snapshot(job.replicated, job.local, deferred=deferred, pool=saver.pool)
+        try:
+            snapshot = Snapshot(job.replicated, job.local, deferred=deferred, pool=saver.pool)
+        except Exception as error:
+            raise save_failure(error, name=name, root=self.root) from error
         job.replicated, job.local = {}, {}
         saver.submit(job, snapshot)
         return final
+
+    def _commit_now(self, job: SaveJob) -> None:
+        """A synchronous save: any failure is raised as a `CheckpointSaveError` (I/O, with its real cause) or a
+        `CheckpointStateError` (state that cannot be serialized), see `save_errors.py`."""
+        try:
+            self.commit_job(job)
+        except Exception as error:
+            raise save_failure(error, name=job.name, root=self.root, needed=job.nbytes) from error
 
     def snapshot_states(
         self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
@@ -264,6 +311,7 @@ class CheckpointManager(ABC):
         # The writer process gets a copy of the manager, without the queue that feeds it.
         state = dict(self.__dict__)
         state["_saver"] = None
+        state["resolution"] = None
         return state
 
     def load(self, info: CheckpointInfo, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:

@@ -9,6 +9,7 @@ never deletes anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -48,11 +49,18 @@ class HashingWriter:
         self._file = file
         self._hasher = xxhash.xxh3_128()
         self._size = 0
+        # The first OSError the file raised: a library writing through this object may report it as something else
+        # (torch's zip writer turns ENOSPC into "RuntimeError: ... unexpected pos"), so `write_file` restores it.
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         """Forward `data` (any bytes-like object) to the file, hashing exactly the bytes the file accepted."""
         view = memoryview(data).cast("B")
-        written = self._file.write(view)
+        try:
+            written = self._file.write(view)
+        except OSError as error:
+            self.error = self.error or error
+            raise
         written = len(view) if written is None else written
         self._hasher.update(view[:written])
         self._size += written
@@ -90,18 +98,23 @@ def checkpoint_name(*, step: int | None = None, epoch: int | None = None) -> str
 def write_file(path: Path, write: Callable[[BinaryIO], None]) -> FileRecord:
     """Create `path` (never overwrites), let `write(fileobj)` fill it, fsync it; return its size and digest.
 
-    The digest is computed while writing, so the file is never read back. A partial file is removed on failure.
+    The digest is computed while writing, so the file is never read back. A partial file is removed on failure; an
+    I/O failure is raised as an `OSError` naming `path`, whatever the writing library made of it.
     """
     path = Path(path)
     with open(path, "xb") as file:
+        writer = HashingWriter(file)
         try:
-            writer = HashingWriter(file)
             write(writer)  # type: ignore[arg-type]
             file.flush()
             os.fsync(file.fileno())
-        except BaseException:
-            file.close()
+        except BaseException as error:
+            with contextlib.suppress(OSError):
+                file.close()  # a full disk fails the close's flush too
             path.unlink(missing_ok=True)
+            cause = writer.error if writer.error is not None else error
+            if isinstance(cause, OSError) and (cause is not error or not cause.filename):
+                raise OSError(cause.errno, cause.strerror, str(path)) from error
             raise
     return writer.record()
 

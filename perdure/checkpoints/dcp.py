@@ -51,7 +51,8 @@ from perdure.checkpoints.async_save import AsyncSaver, _raise_open_file_limit
 from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, hash_file, write_file
 from perdure.checkpoints.file import local_file, read_local_states
-from perdure.errors import CheckpointError, CheckpointSaveError
+from perdure.checkpoints.save_errors import save_failure
+from perdure.errors import CheckpointError
 
 logger = logging.getLogger("perdure")
 
@@ -159,7 +160,7 @@ class DCPCheckpointManager(CheckpointManager):
                 dcp.save(state, storage_writer=writer)
         except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
             # DCP reports a failure on any rank to every rank, so all of them fail this save together.
-            raise CheckpointSaveError(f"DCP could not write {staging.name}: {_describe(error)}") from error
+            raise save_failure(error, name=staging.name, root=staging.parent) from error
 
     def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
         model, optimizer = states.get("model"), states.get("optimizer")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +138,102 @@ def _repair_pointers(root: Path, pointer: str | None, chosen: CheckpointInfo | N
         )
 
 
+@dataclass
+class Resolution:
+    """What looking at a checkpoints dir found, before anything is repaired: the checkpoint to use (`chosen`), the
+    newer committed ones that failed verification, leftover staging dirs, what `latest` held, and notes about it."""
+
+    root: Path
+    chosen: CheckpointInfo | None = None
+    failures: list[tuple[Path, str]] = field(default_factory=list)
+    staging: list[Path] = field(default_factory=list)
+    pointer: str | None = None
+    notes: list[str] = field(default_factory=list)  # pointer problems, reported before the failures
+    lag_note: str | None = None  # `latest` names an older checkpoint than a newer, good one
+
+    @property
+    def needs_repair(self) -> bool:
+        best = read_pointer(self.root, "best")
+        bad_best = best is not None and not (CHECKPOINT_PATTERN.match(best) and (self.root / best).is_dir())
+        latest_wrong = self.pointer != (self.chosen.name if self.chosen else None)
+        return bool(self.failures or self.staging or bad_best or latest_wrong)
+
+
+def find_latest(root: Path, *, deep: bool = True) -> Resolution:
+    """Look at a run's checkpoints dir without changing anything: the newest checkpoint that verifies, and what is
+    wrong around it. `report` says it, `repair` fixes it; `resolve_latest` does both."""
+    root = Path(root)
+    resolution = Resolution(root)
+    if not root.is_dir():
+        return resolution
+    resolution.staging = sorted(p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.is_dir())
+    candidates = committed_checkpoints(root)
+    resolution.pointer = read_pointer(root, "latest")
+    valid_pointer = _check_latest_pointer(root, resolution.pointer, len(candidates), resolution.notes.append)
+    for path in candidates:
+        try:
+            manifest = verify_checkpoint(path, deep=deep)
+        except CheckpointCorruptError as exc:
+            resolution.failures.append((path, exc.reason))
+            continue
+        resolution.chosen = CheckpointInfo(path, path.name, manifest)
+        break
+    chosen = resolution.chosen
+    if chosen is not None and valid_pointer is not None and valid_pointer != chosen.name and not resolution.failures:
+        resolution.lag_note = (
+            f"CHECKPOINT NOTE: {root / 'latest'} names {valid_pointer} but the newer {chosen.name} is fully "
+            "committed (the pointer update was interrupted); using the newer one."
+        )
+    return resolution
+
+
+def report(resolution: Resolution, warn: Warn, fates: dict[Path, str] | None = None, default_fate: str = "") -> None:
+    """Warn about everything `find_latest` found: pointer problems, each failed checkpoint with what became of it
+    (`fates[path]`, else `default_fate`), and a `latest` that lags behind."""
+    for note in resolution.notes:
+        warn(note)
+    chosen = resolution.chosen
+    instead = f"resuming from {_describe(chosen)} instead" if chosen else "no older checkpoint verifies"
+    for path, reason in resolution.failures:
+        fate = (fates or {}).get(path, default_fate)
+        warn(f"CHECKPOINT PROBLEM: {path} failed verification: {reason}. It was {fate}; {instead}.")
+    if resolution.lag_note:
+        warn(resolution.lag_note)
+
+
+def repair(resolution: Resolution, warn: Warn) -> dict[Path, str]:
+    """The run's owner (rank 0, holding the run lock, before it saves): quarantine leftover staging dirs and the failed
+    checkpoints `find_latest` found, point `latest` at the chosen checkpoint (remove it when none verifies) and drop a
+    `best` that names nothing. Returns what became of each failed checkpoint, for `report`."""
+    root = resolution.root
+    for staging in resolution.staging:
+        if not staging.is_dir():
+            continue
+        try:
+            moved = quarantine(staging, f"interrupted save: staging dir {staging.name} was never committed")
+        except OSError as exc:  # leftover debris must not stop a resume
+            warn(f"CHECKPOINT PROBLEM: could not quarantine the interrupted save {staging}: {exc}")
+            continue
+        warn(
+            f"CHECKPOINT PROBLEM: {staging} is an interrupted save (the process stopped before it was "
+            f"committed); moved to {moved}. Nothing committed was lost."
+        )
+    fates: dict[Path, str] = {}
+    for path, reason in resolution.failures:
+        if not path.is_dir():
+            continue
+        try:
+            fates[path] = f"moved to {quarantine(path, reason)} (nothing deleted)"
+        except OSError as qexc:  # still skipped: a bad checkpoint is never loaded
+            warn(f"CHECKPOINT PROBLEM: could not quarantine {path}: {qexc}")
+            fates[path] = "skipped"
+    try:
+        _repair_pointers(root, resolution.pointer, resolution.chosen, warn)
+    except OSError as exc:  # e.g. a directory named `latest`: report, but still resume from the good checkpoint
+        warn(f"CHECKPOINT PROBLEM: could not repair the pointers in {root}: {exc}")
+    return fates
+
+
 def resolve_latest(
     root: Path, *, repair: bool = True, warn: Warn | None = None, deep: bool = True
 ) -> CheckpointInfo | None:
@@ -149,59 +245,17 @@ def resolve_latest(
     checkpoint is removed. Without `repair` nothing is moved or written; bad checkpoints are skipped. Every problem is
     reported through `warn` (default: the "perdure" logger at WARNING). Never raises for a corrupt checkpoint.
     """
-    root = Path(root)
     warn = warn or logger.warning
-    if not root.is_dir():
-        return None
-
+    resolution = find_latest(root, deep=deep)
     if repair:
-        for staging in sorted(p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.is_dir()):
-            try:
-                moved = quarantine(staging, f"interrupted save: staging dir {staging.name} was never committed")
-            except OSError as exc:  # leftover debris must not stop a resume
-                warn(f"CHECKPOINT PROBLEM: could not quarantine the interrupted save {staging}: {exc}")
-                continue
-            warn(
-                f"CHECKPOINT PROBLEM: {staging} is an interrupted save (the process stopped before it was "
-                f"committed); moved to {moved}. Nothing committed was lost."
-            )
+        fates = _repair(resolution, warn)
+        report(resolution, warn, fates)
+    else:
+        report(resolution, warn, default_fate="left in place")
+    return resolution.chosen
 
-    candidates = committed_checkpoints(root)
-    pointer = read_pointer(root, "latest")
-    valid_pointer = _check_latest_pointer(root, pointer, len(candidates), warn)
 
-    chosen: CheckpointInfo | None = None
-    failures: list[tuple[Path, str, Path | None]] = []  # (dir, reason, where it was moved)
-    for path in candidates:
-        try:
-            manifest = verify_checkpoint(path, deep=deep)
-        except CheckpointCorruptError as exc:
-            moved = None
-            if repair:
-                try:
-                    moved = quarantine(path, exc.reason)
-                except OSError as qexc:  # still skip it: a bad checkpoint is never loaded
-                    warn(f"CHECKPOINT PROBLEM: could not quarantine {path}: {qexc}")
-            failures.append((path, exc.reason, moved))
-            continue
-        chosen = CheckpointInfo(path, path.name, manifest)
-        break
-
-    instead = f"resuming from {_describe(chosen)} instead" if chosen else "no older checkpoint verifies"
-    for path, reason, moved in failures:
-        fate = f"moved to {moved} (nothing deleted)" if moved else "left in place" if not repair else "skipped"
-        warn(f"CHECKPOINT PROBLEM: {path} failed verification: {reason}. It was {fate}; {instead}.")
-    if chosen is not None and valid_pointer is not None and valid_pointer != chosen.name and not failures:
-        warn(
-            f"CHECKPOINT NOTE: {root / 'latest'} names {valid_pointer} but the newer {chosen.name} is fully "
-            "committed (the pointer update was interrupted); using the newer one."
-        )
-    if repair:
-        try:
-            _repair_pointers(root, pointer, chosen, warn)
-        except OSError as exc:  # e.g. a directory named `latest`: report, but still resume from the good checkpoint
-            warn(f"CHECKPOINT PROBLEM: could not repair the pointers in {root}: {exc}")
-    return chosen
+_repair = repair  # `resolve_latest` has a parameter of that name
 
 
 def resolve_path(path: Path, *, warn: Warn | None = None) -> CheckpointInfo:

@@ -34,7 +34,6 @@ from perdure.checkpoints.commit import (
     read_pointer,
     verify_checkpoint,
 )
-from perdure.checkpoints.file import REPLICATED_FILE
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
@@ -65,8 +64,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     verify.set_defaults(handler=cmd_verify)
 
     export = commands.add_parser("export", help="write model (or EMA) weights only, as .pth or .safetensors")
-    export.add_argument("checkpoint", type=Path, help="checkpoint dir, or a run / checkpoints dir (its latest)")
-    export.add_argument("out", type=Path, help="output file, ending in .pth or .safetensors")
+    export.add_argument(
+        "checkpoint",
+        type=Path,
+        help="checkpoint dir, a run / checkpoints dir (its latest), or RUN/best, RUN/latest; any backend (file, DCP)",
+    )
+    export.add_argument("out", type=Path, help="output file (.pth or .safetensors)")
+    export.add_argument("--format", choices=("pth", "safetensors"), help="output format (default: from OUT's suffix)")
     export.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating-point tensors")
     export.add_argument("--ema", action="store_true", help="export the EMA weights instead of the model's")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -362,36 +366,44 @@ def save_safetensors(weights: dict[str, Any], path: Path, dtype: str | None, met
 
 
 def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
-    """(weights, description of where they came from) for a checkpoint / checkpoints / run dir or a weights file."""
+    """(weights, description of where they came from) for a checkpoint / checkpoints / run dir, a `best` / `latest`
+    pointer (also `RUN/best` for `RUN/checkpoints/best`) or a weights file. DCP checkpoints are gathered into one
+    full state dict in this process: no process group is needed."""
+    if not path.exists() and path.name in POINTERS and (path.parent / "checkpoints" / path.name).is_file():
+        path = path.parent / "checkpoints" / path.name
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    if path.is_file():
+    if path.is_file() and path.name not in POINTERS:
         if ema:
             raise CheckpointError(f"{path} is a weights file; --ema needs a checkpoint (it holds both weight sets)")
         return read_weights(path), str(path)
     info: CheckpointInfo = resolve_path(path)
-    if not (info.path / REPLICATED_FILE).is_file():
-        backend = info.manifest.get("backend", "unknown")
-        raise CheckpointError(
-            f"checkpoint {info.path} (backend {backend}) has no {REPLICATED_FILE}; export reads file-backend "
-            "checkpoints"
-        )
     where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
-    return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})" if where else str(info.path)
+    where.append(f"backend {info.manifest.get('backend', 'file')}")
+    return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})"
+
+
+def _output_format(out: Path, requested: str | None) -> str:
+    """ "pth" or "safetensors": from OUT's suffix, or `--format` (which must agree with a known suffix)."""
+    from_suffix = {".pth": "pth", ".safetensors": "safetensors"}.get(out.suffix)
+    if requested and from_suffix and requested != from_suffix:
+        raise PerdureError(f"--format {requested} but {out} ends in {out.suffix}; use a matching name or drop one")
+    if not (requested or from_suffix):
+        raise PerdureError(f"output {out} must end in {' or '.join(EXPORT_SUFFIXES)}, or pass --format pth|safetensors")
+    return requested or from_suffix
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write model (or EMA) weights of a checkpoint to OUT (.pth or .safetensors), optionally cast."""
-    out: Path = args.out.expanduser()
-    if out.suffix not in EXPORT_SUFFIXES:
-        raise PerdureError(f"output {out} must end in {' or '.join(EXPORT_SUFFIXES)}")
+    out = args.out.expanduser()
+    fmt = _output_format(out, args.format)
     if out.exists() and not args.force:
         raise PerdureError(f"{out} exists; pass --force to replace it")
     if out.is_dir():
         raise PerdureError(f"{out} is a directory; give a file name ending in {' or '.join(EXPORT_SUFFIXES)}")
     weights, source = _source_weights(args.checkpoint.expanduser(), args.ema)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".safetensors":
+    if fmt == "safetensors":
         save_safetensors(weights, out, args.dtype, {"format": "pt", "source": source})
     else:
         export_weights(weights, out, args.dtype)

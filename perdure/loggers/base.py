@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -16,6 +17,8 @@ from perdure.loggers.images import to_image_array
 if TYPE_CHECKING:
     from perdure.config import RunnerConfig
     from perdure.runners.state import RunnerState
+
+_log = logging.getLogger("perdure")
 
 __all__ = ["LoggerGroup", "MetricLogger", "build_loggers", "metric_tag", "to_image_array"]
 
@@ -60,6 +63,7 @@ class LoggerGroup:
 
     def __init__(self, loggers: Iterable[MetricLogger]) -> None:
         self.loggers = list(loggers)
+        self._failing: set[MetricLogger] = set()
 
     def open(self, run_dir: Path, *, resumed_step: int, state: RunnerState, config: RunnerConfig) -> None:
         for logger in self.loggers:
@@ -68,16 +72,26 @@ class LoggerGroup:
     def log_metrics(self, split: str, metrics: Mapping[str, float], step: int) -> None:
         values = {name: float(value) for name, value in metrics.items()}
         for logger in self.loggers:
-            logger.log_metrics(split, values, step)
+            self._guarded(logger, logger.log_metrics, split, values, step)
 
     def log_image(self, tag: str, image: Any, step: int, index: int = 0) -> None:
         array = to_image_array(image)
         for logger in self.loggers:
-            logger.log_image(tag, array, step, index)
+            self._guarded(logger, logger.log_image, tag, array, step, index)
 
     def flush(self, durable: bool = False) -> None:
         for logger in self.loggers:
-            logger.flush(durable)
+            self._guarded(logger, logger.flush, durable)
+
+    def _guarded(self, logger: MetricLogger, call: Any, *args: Any) -> None:
+        """Run one logger's call; an I/O failure (a full disk) is warned about once per logger and training goes on:
+        metrics are worth less than the run that produces them."""
+        try:
+            call(*args)
+        except OSError as error:
+            if logger not in self._failing:
+                _log.warning("%s could not write (%s); training goes on", type(logger).__name__, error)
+            self._failing.add(logger)
 
     def close(self) -> None:
         """Close every logger, even when one fails; the first failure is raised afterwards."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from pathlib import Path
 
 from perdure.loggers.progress import ProgressBar
@@ -60,6 +61,17 @@ class RunLogFile(logging.FileHandler):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.setFormatter(logging.Formatter(_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+        self._failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        # A full disk: say it once on the console, not a traceback per log line; the console still gets every line.
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            if not self._failed:
+                print(f"perdure: cannot write the log file {self.baseFilename}: {error}", file=sys.stderr)
+            self._failed = True
+            return
+        super().handleError(record)
 
 
 def attach_log_file(path: Path) -> logging.Handler:
@@ -74,17 +86,42 @@ def attach_log_file(path: Path) -> logging.Handler:
     return handler
 
 
-class EarlyRecords(logging.Handler):
-    """Holds what was logged before the run's log file exists, so the file still gets everything the console got."""
+def detach_log_file(handler: logging.Handler | None) -> None:
+    """Stop mirroring into a run's log file (its attempt is over): later runners in this process log elsewhere."""
+    if handler is not None:
+        get_logger().removeHandler(handler)
+        handler.close()
 
-    def __init__(self) -> None:
+
+class EarlyRecords(logging.Handler):
+    """Holds what was logged before the run's log file exists, so the file still gets everything the console got.
+
+    `owner` is the object (a runner) the records are kept for: `drop_orphans` removes the handlers of owners that no
+    longer exist (a runner built, never trained, and dropped). At most `limit` records are kept.
+    """
+
+    def __init__(self, owner: object | None = None, limit: int = 10_000) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
+        self.limit = limit
+        self._owner = weakref.ref(owner) if owner is not None else None
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+        if len(self.records) < self.limit:
+            self.records.append(record)
 
     def replay_into(self, handler: logging.Handler) -> None:
         for record in self.records:
             handler.handle(record)
         self.records.clear()
+
+    @property
+    def orphaned(self) -> bool:
+        return self._owner is not None and self._owner() is None
+
+
+def drop_orphaned_early_records() -> None:
+    """Remove the early-record handlers whose runner is gone (built, never trained or closed, then dropped)."""
+    logger = get_logger()
+    for handler in [h for h in logger.handlers if isinstance(h, EarlyRecords) and h.orphaned]:
+        logger.removeHandler(handler)

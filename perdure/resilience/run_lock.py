@@ -89,22 +89,25 @@ class RunLock:
         self._fd: int | None = None
         self._key: tuple[int, int] | None = None
         self._info: dict[str, Any] = {}  # what this object wrote while it holds the lock
+        self._announced = False  # whether `_info` is in the file
 
     @property
     def held(self) -> bool:
         """True while this object holds the lock (False in a forked child, which never holds it)."""
         return self._fd is not None
 
-    def acquire(self, timeout: float = 0.0) -> None:
+    def acquire(self, timeout: float = 0.0, announce: bool = True) -> None:
         """Take the lock or raise `RunLockedError` naming the holder; creates the run dir if needed.
 
         Non-blocking by default (fails at once). A positive `timeout` retries for that many seconds first, e.g. where
-        a network filesystem keeps a crashed host's lock until its lease expires.
+        a network filesystem keeps a crashed host's lock until its lease expires. `announce=False` takes the lock
+        without writing who holds it into the file (a runner that may only look at the run changes no byte of it);
+        `announce()` writes it later.
         """
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self._try_acquire()
+                self._try_acquire(announce)
                 return
             except RunLockedError:
                 if (left := deadline - time.monotonic()) <= 0:
@@ -121,10 +124,11 @@ class RunLock:
             if key is not None and _HELD.get(key) is self:
                 del _HELD[key]
         try:
-            try:
-                os.ftruncate(fd, 0)  # still under the lock: never clears a later holder's info
-            except OSError:
-                pass
+            if self._announced:
+                try:
+                    os.ftruncate(fd, 0)  # still under the lock: never clears a later holder's info
+                except OSError:
+                    pass
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
@@ -145,7 +149,15 @@ class RunLock:
     def __repr__(self) -> str:
         return f"RunLock({str(self.run_dir)!r}, held={self.held})"
 
-    def _try_acquire(self) -> None:
+    def announce(self) -> None:
+        """Write who holds the lock (pid, host, start time, argv) into the lock file, if not done yet."""
+        if self._fd is None:
+            raise PerdureError(f"{self!r}: announce() needs the lock held")
+        if not self._announced:
+            _write_info(self._fd, self._info)
+            self._announced = True
+
+    def _try_acquire(self, announce: bool = True) -> None:
         if self._fd is not None:
             raise RunLockedError(self.run_dir, self._info)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,8 +175,11 @@ class RunLock:
         except BaseException:
             os.close(fd)
             raise
+        self._announced = False
+        if not announce:
+            return
         try:
-            _write_info(fd, self._info)
+            self.announce()
         except BaseException:
             self.release()
             raise

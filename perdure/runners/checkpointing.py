@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from perdure.checkpoints.commit import checkpoint_name, read_pointer
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.source import RestoreSource
 from perdure.config import RunnerConfig
-from perdure.errors import CheckpointError, CheckpointSaveError
+from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError
 from perdure.loggers.console import get_logger
 from perdure.runners.export import export_weights, read_weights
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
@@ -78,8 +79,10 @@ class CheckpointingMixin:
                 persistent=reason != "interval" or is_best,
                 deferred=self._tensors_changed_by_step(),
             )
-        except (OSError, CheckpointError) as error:
-            self._save_failed(name, reason, f"{type(error).__name__}: {error}")
+        except CheckpointStateError:
+            raise  # no save of this state will ever work: the run stops at its first save
+        except CheckpointSaveError as error:
+            self._save_failed(name, reason, str(error))
             return None
         self._saved_position = position
         if path is not None:
@@ -108,6 +111,8 @@ class CheckpointingMixin:
 
     def _report_saves(self, outcomes: list[SaveOutcome]) -> None:
         for outcome in outcomes:
+            if outcome.fatal:
+                raise CheckpointStateError(outcome.error)
             if outcome.error is None:
                 self.logger.info("committed %s (%s) in the background in %.2fs", outcome.name, outcome.reason,
                                  outcome.seconds)  # fmt: skip
@@ -146,9 +151,34 @@ class CheckpointingMixin:
                     seed,
                 )
             self._saved_position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
+            self._note_topology(source.info)
         elif source.kind == "pretrained":
-            self.unwrap_model().load_state_dict(self._pretrained_weights)
+            load_matching_weights(self.unwrap_model(), self._pretrained_weights, source.path)
             del self._pretrained_weights
+
+    def _note_topology(self, info: CheckpointInfo) -> None:
+        """A resume on another world size changes the global batch: say so once, and keep it for the attempt."""
+        before = info.manifest.get("world_size")
+        if not isinstance(before, int) or isinstance(before, bool) or before == self.world_size:
+            return
+        per_rank = self.config.loader_options("train")["batch_size"] * self.config.accum_steps
+        self._topology_change = {
+            "world_size": [before, self.world_size],
+            "global_batch": [per_rank * before, per_rank * self.world_size],
+        }
+        self.logger.warning(
+            "TOPOLOGY CHANGE: %s was written by %d rank%s, this attempt runs on %d: the global batch changes from %d "
+            "to %d samples per optimizer step (%d per rank x %d accumulation x ranks); the data position continues "
+            "from the same sample",
+            info.name,
+            before,
+            "" if before == 1 else "s",
+            self.world_size,
+            per_rank * before,
+            per_rank * self.world_size,
+            self.config.loader_options("train")["batch_size"],
+            self.config.accum_steps,
+        )
 
     def _check_same_config(self, info: CheckpointInfo) -> None:
         stored_path = info.path / "config.yaml"
@@ -164,7 +194,7 @@ class CheckpointingMixin:
 
     def load_pretrained(self, path: Path, ema: bool = False) -> None:
         """Load model (or EMA) weights only, from an exported `.pth` file or any checkpoint path."""
-        self.unwrap_model().load_state_dict(read_weights(Path(path), ema=ema))
+        load_matching_weights(self.unwrap_model(), read_weights(Path(path), ema=ema), Path(path))
 
     def export_model(self) -> Path:
         """Write `model.pth` (and `model-ema.pth` with EMA) into the run dir, cast to `ckpt.export_dtype`."""
@@ -178,7 +208,9 @@ class CheckpointingMixin:
     def from_checkpoint(cls, path: str | Path, config_class: type[RunnerConfig] = RunnerConfig) -> BaseRunner:
         """Rebuild a runner from the config stored in a checkpoint and restore its full state.
 
-        `path` may be a run dir, its `checkpoints/` dir, or one checkpoint dir.
+        `path` may be a run dir, its `checkpoints/` dir, or one checkpoint dir. Looking at the runner (`evaluate`,
+        `infer`, `close`) writes nothing; `train()` continues the checkpoint's own run when the checkpoint is that
+        run's latest, else a branch run `<run id>-from-<checkpoint>` beside it.
         """
         info = resolve_path(Path(path))
         stored = yaml.safe_load((info.path / "config.yaml").read_text())
@@ -188,15 +220,21 @@ class CheckpointingMixin:
         config.resume = "auto"
         checkpoints = info.path.parent
         if checkpoints.name == "checkpoints":
-            # Rebuild in the workspace the checkpoint lives in, wherever this process runs from.
+            # Rebuild in the workspace and run dir the checkpoint lives in, whatever the code and cwd are now.
             config.workspace.root = str(checkpoints.parent.parent.parent.resolve())
+            if isinstance(info.manifest.get("code_id"), str):
+                config.workspace.code_id = info.manifest["code_id"]
             run_dir = resolve_run_dir(config, cls.__name__)
             own_run = run_dir.path.resolve() == checkpoints.parent.resolve()
             if own_run and read_pointer(checkpoints, "latest") != info.name:
                 # Its own run has moved on: continuing that run would load its latest checkpoint, not this one.
                 config.workspace.id = f"{run_dir.run_id}-from-{info.name}"
-                get_logger().info("from_checkpoint(%s): branching run %s", info.path, config.workspace.id)
-        return cls(config)
+                get_logger().info("from_checkpoint(%s): training would branch run %s", info.path, config.workspace.id)
+        token = _INSPECTION.set(True)
+        try:
+            return cls(config)
+        finally:
+            _INSPECTION.reset(token)
 
     @classmethod
     def from_pretrained(cls, config: RunnerConfig, path: str | Path) -> BaseRunner:
@@ -204,6 +242,40 @@ class CheckpointingMixin:
         config.pretrained = str(path)
         config.checkpoint = None
         return cls(config)
+
+
+def building_for_inspection() -> bool:
+    """True while `from_checkpoint` builds a runner: one built to look at a run records no failed setup."""
+    return _INSPECTION.get()
+
+
+_INSPECTION: ContextVar[bool] = ContextVar("perdure_inspection", default=False)
+
+MISMATCHES_SHOWN = 5
+
+
+def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: Path) -> None:
+    """`model.load_state_dict(weights)`, refusing with a CheckpointError that names the missing, unexpected and
+    mis-shaped keys (the first few of each, and how many) instead of torch's long traceback."""
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in weights]
+    unexpected = [key for key in weights if key not in expected]
+    shapes = [
+        f"{key} {tuple(weights[key].shape)} (model: {tuple(expected[key].shape)})"
+        for key in expected
+        if key in weights and isinstance(weights[key], torch.Tensor) and weights[key].shape != expected[key].shape
+    ]
+    problems = []
+    for what, items in (("missing", missing), ("unexpected", unexpected), ("with another shape", shapes)):
+        if items:
+            shown = ", ".join(items[:MISMATCHES_SHOWN]) + (", ..." if len(items) > MISMATCHES_SHOWN else "")
+            problems.append(f"{len(items)} {what}: {shown}")
+    if problems:
+        raise CheckpointError(
+            f"the weights in {source} do not fit {type(model).__name__}: {'; '.join(problems)}. Give weights of the "
+            "same architecture (a checkpoint or model.pth of this model)"
+        )
+    model.load_state_dict(weights)
 
 
 class _DataPosition:

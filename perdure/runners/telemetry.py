@@ -43,15 +43,34 @@ class RunTelemetry:
         self.progress: ProgressBar | None = None
         self.heartbeat: Heartbeat | None = None
         self._heartbeat_at = self._sidecar_at = time.monotonic()
+        self._sidecar_failed = False
 
-    def start(self, *, attempt: str, resumed_from: str | None) -> None:
-        """Record the attempt (metadata, sidecar entry, restart counters) and open the metric loggers.
+    def start(self, *, attempt: str, resumed_from: str | None, details: Mapping[str, Any] | None = None) -> None:
+        """Record the attempt (metadata, sidecar entry, restart counters, `details` such as the code it runs) and open
+        the metric loggers.
 
-        Called after the restore, before the first step or checkpoint: loggers drop what an earlier attempt logged
-        past the resumed step, and W&B puts its run id into the state the next checkpoint carries.
+        Called when training begins, after the restore, before the first step or checkpoint: loggers drop what an
+        earlier attempt logged past the resumed step, and W&B puts its run id into the state the next checkpoint
+        carries.
         """
         if not self.active:
             return
+        self._record_attempt(attempt, resumed_from, details or {})
+        self.loggers.open(self.run_dir.path, resumed_step=self.state.global_step, state=self.state, config=self.config)
+        self.heartbeat = Heartbeat(self.run_dir.path)
+        self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+        self.sidecar.write()
+
+    def record_failed_setup(self, *, attempt: str, reason: str, details: Mapping[str, Any] | None = None) -> None:
+        """A setup failed before training: an attempt that starts and fails at once, with `reason`. No loggers."""
+        if not self.active:
+            return
+        self._record_attempt(attempt, None, details or {})
+        self.sidecar.finish_attempt("failed", reason)
+        self.sidecar.write()
+        self.active = False
+
+    def _record_attempt(self, attempt: str, resumed_from: str | None, details: Mapping[str, Any]) -> None:
         write_metadata(self.run_dir.path, self.config, attempt)
         self.sidecar = Sidecar(
             self.run_dir.path,
@@ -62,19 +81,26 @@ class RunTelemetry:
             hparams=canonical_config(self.config),
             tags=list(self.config.workspace.tags),
         )
+        previous = self.sidecar.current_attempt
+        ran = previous.get("code_id") if previous is not None else None
+        if ran and details.get("code_id") and ran != details["code_id"]:
+            logger.warning(
+                "the code changed between attempts of run %s: the previous attempt ran %s, this one runs %s (each "
+                "attempt's code and diff are in metadata/attempts/)",
+                self.run_dir.path,
+                ran,
+                details["code_id"],
+            )
         restarts = {name: _int_or_none(os.environ.get(name)) for name in RESTART_COUNTERS if name in os.environ}
         entry = self.sidecar.start_attempt(
             started=attempt,
             restart_counts=restarts,
             resumed_from=str(Path(resumed_from).resolve()) if resumed_from else None,
             resumed_step=self.state.global_step,
+            details=details,
         )
         if entry.get("steps_lost"):
             logger.info("the interruption cost %d steps (trained, not checkpointed)", entry["steps_lost"])
-        self.loggers.open(self.run_dir.path, resumed_step=self.state.global_step, state=self.state, config=self.config)
-        self.heartbeat = Heartbeat(self.run_dir.path)
-        self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
-        self.sidecar.write()
 
     def begin_training(self, total: int | None) -> None:
         """The loop starts: show a progress bar on a terminal (rate and ETA measured from here)."""
@@ -122,7 +148,7 @@ class RunTelemetry:
         now = time.monotonic()
         if self.sidecar is not None and now - self._sidecar_at > HEARTBEAT_SECONDS:
             self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
-            self.sidecar.write(durable=False)
+            self._write_sidecar(durable=False)
             self._sidecar_at = self._heartbeat_at = now
 
     def checkpoint(self, name: str, *, seconds: float, best: str | None) -> None:
@@ -132,13 +158,13 @@ class RunTelemetry:
         self.loggers.flush(durable=True)
         if self.sidecar is not None:
             self.sidecar.record(latest_checkpoint=name, best_checkpoint=best, save_seconds=seconds)
-            self.sidecar.write()
+            self._write_sidecar()
 
     def save_failed(self, name: str, error: str) -> None:
         """A save failed: the attempt's record says so at once (the run's status tells it at the end)."""
         if self.active and self.sidecar is not None:
             self.sidecar.record_save_failure(name, error)
-            self.sidecar.write()
+            self._write_sidecar()
 
     def finish(self, status: str, reason: str) -> None:
         """The attempt ends (completed, failed, preempted, stopped): close everything, record why."""
@@ -157,8 +183,20 @@ class RunTelemetry:
             if self.sidecar is not None:
                 self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
                 self.sidecar.finish_attempt(status, reason)
-                self.sidecar.write()
+                self._write_sidecar()
             self.active = False
+
+    def _write_sidecar(self, durable: bool = True) -> None:
+        """Replace sidecar.json; a failure to (a full disk) is a warning, once: the run's record is a summary, and
+        losing it must never stop the training it describes."""
+        try:
+            self.sidecar.write(durable=durable)
+        except OSError as error:
+            if not self._sidecar_failed:
+                logger.warning("could not write %s (%s); training goes on", self.sidecar.path, error)
+            self._sidecar_failed = True
+        else:
+            self._sidecar_failed = False
 
 
 def _int_or_none(text: str | None) -> int | None:

@@ -160,6 +160,61 @@ def code_id(path: str | os.PathLike | None = None) -> str | None:
     return f"{sha}-d{hashlib.sha256(diff).hexdigest()[:10]}" if diff else sha
 
 
+SOURCE_PREFIX = "src-"
+_MAX_SOURCE_FILES = 5000
+_MAX_SOURCE_BYTES = 64 << 20
+
+
+def program_files(path: str | os.PathLike | None = None) -> list[Path]:
+    """The program's own Python files: the script, and every module imported so far from under its directory
+    (installed packages and virtual environments below it excluded). Sorted, at most a few thousand."""
+    root = (Path(path) if path is not None else _default_path()).resolve()
+    if root.is_file():
+        root = root.parent
+    prefixes = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    files: set[Path] = set()
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    candidates = [script] if script is not None and script.suffix == ".py" else []
+    candidates += [Path(f) for m in list(sys.modules.values()) if isinstance(f := getattr(m, "__file__", None), str)]
+    for candidate in candidates:
+        try:
+            resolved = candidate.resolve()
+        except OSError:
+            continue
+        if resolved.suffix != ".py" or not resolved.is_relative_to(root) or not resolved.is_file():
+            continue
+        parts = resolved.relative_to(root).parts
+        if any(part in ("site-packages", "dist-packages") for part in parts) or any(
+            resolved.is_relative_to(prefix) for prefix in prefixes
+        ):
+            continue
+        files.add(resolved)
+    return sorted(files)[:_MAX_SOURCE_FILES]
+
+
+def source_code_id(path: str | os.PathLike | None = None) -> str:
+    """`src-<10 hex>`: a content hash of the program's own Python files (see `program_files`), the code identity of
+    a program that is not in a git repository. Editing the script or a module beside it changes it."""
+    root = (Path(path) if path is not None else _default_path()).resolve()
+    if root.is_file():
+        root = root.parent
+    digest = hashlib.sha256()
+    budget = _MAX_SOURCE_BYTES
+    for file in program_files(path):
+        try:
+            data = file.read_bytes()[:budget]
+        except OSError:
+            continue
+        budget -= len(data)
+        digest.update(file.relative_to(root).as_posix().encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+    return f"{SOURCE_PREFIX}{digest.hexdigest()[:10]}"
+
+
+def program_code_id(path: str | os.PathLike | None = None) -> str:
+    """The code identity of the running program: `code_id()` in a git repository, else `source_code_id()`."""
+    return code_id(path) or source_code_id(path)
+
+
 def git_state(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
     """Git facts for run metadata: commit, code_id, branch (None when detached), dirty, remote (origin url or None),
     root and the diff text. None outside a git repo or without git."""

@@ -1,4 +1,9 @@
-"""Where a run lives: `<root>/<lineage>-<code_id>/<code_id>-<config_id>/`."""
+"""Where a run lives: `<root>/<lineage>-<code_id>/<code_id>-<config_id>/`.
+
+`code_id` is the identity of the code that runs (see `identity.program_code_id`), unless `workspace.code_id` pins it
+(to continue a run after a code change) or the launch index says this process is a restart of a launch that started
+in another directory (see `launch.py`). The code that actually ran is recorded by every attempt either way.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from perdure.config import RunnerConfig
-from perdure.workspace.identity import code_id as current_code_id
 from perdure.workspace.identity import config_id as compute_config_id
+from perdure.workspace.identity import program_code_id
+from perdure.workspace.launch import Launch, current_launch, entry_path, read_entry
 
 DEFAULT_ROOT = "runs"
 ROOT_ENV = "PERDURE_ROOT"
@@ -23,9 +29,14 @@ class RunDir:
 
     path: Path
     lineage: str
-    code_id: str | None
+    code_id: str | None  # the code part of the directory's name
     config_id: str
     run_id: str
+    running_code_id: str | None = None  # the code this process runs (differs after a pinned or launch restart)
+    launch: Launch | None = None
+    continued_launch: bool = False  # found through the launch index (a restart of `launch`)
+    root: Path | None = None
+    workspace_id: str | None = None  # `workspace.id` when the config sets one
 
     @property
     def checkpoints(self) -> Path:
@@ -81,12 +92,36 @@ def default_lineage(runner_class_name: str) -> str:
 
 
 def resolve_run_dir(config, runner_class_name: str) -> RunDir:
-    """Name the run directory from the config's identity and the code's. Creates nothing."""
+    """Name the run directory from the config's identity and the code's. Creates nothing.
+
+    A restart of a launch (see `launch.current_launch`) continues the directory the launch's first attempt recorded
+    in the launch index, whatever the code is now; otherwise `workspace.code_id`, when set, stands for the code.
+    """
     workspace = config.get("workspace") or {}
     root = workspace_root(config)
     lineage = workspace.get("lineage") or default_lineage(runner_class_name)
-    code = current_code_id()
+    running = program_code_id()
+    code = workspace.get("code_id") or running
     cfg = compute_config_id(config)
-    run_id = workspace.get("id") or (f"{code}-{cfg}" if code else cfg)
-    group = f"{lineage}-{code}" if code else lineage
-    return RunDir(path=root / group / run_id, lineage=lineage, code_id=code, config_id=cfg, run_id=run_id)
+    workspace_id = workspace.get("id")
+    run_id = workspace_id or f"{code}-{cfg}"
+    path = root / f"{lineage}-{code}" / run_id
+    launch = current_launch()
+    continued = False
+    if launch is not None and launch.is_restart:
+        index = entry_path(root, launch, lineage=lineage, config_id=cfg, workspace_id=workspace_id)
+        entry = read_entry(index, root)
+        if entry is not None:
+            path, code, run_id, continued = root / entry["run_dir"], entry["code_id"], entry["run_id"], True
+    return RunDir(
+        path=path,
+        lineage=lineage,
+        code_id=code,
+        config_id=cfg,
+        run_id=run_id,
+        running_code_id=running,
+        launch=launch,
+        continued_launch=continued,
+        root=root,
+        workspace_id=workspace_id,
+    )

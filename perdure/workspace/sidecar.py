@@ -127,10 +127,12 @@ class Sidecar:
         restart_counts: Mapping[str, int | None],
         resumed_from: str | None,
         resumed_step: int,
+        details: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Append an attempt that starts at `resumed_step` and set the status to `running`. Returns the entry.
 
-        `restart_counts` records e.g. SLURM_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT. `steps_lost` is the work the
+        `restart_counts` records e.g. SLURM_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT; `details` (the code the
+        attempt runs, its world size, a topology change, ...) is stored in the entry as is. `steps_lost` is the work the
         interruption cost: how far the previous attempt got past the checkpoint this one resumes from. A previous
         attempt still marked running never recorded its end: it becomes `interrupted`, ended at its last heartbeat.
         """
@@ -159,6 +161,7 @@ class Sidecar:
                 "steps_lost": lost,
                 "save_seconds": 0.0,
                 "save_failures": [],
+                **_plain(dict(details or {})),
             }
             attempts.append(attempt)
             self._data["status"] = "running"

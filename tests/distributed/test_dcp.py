@@ -163,6 +163,13 @@ def test_dcp_checkpoint_of_two_ranks_resumes_on_another_world_size(tmp_path, res
                        LOSS_LOG=tmp_path / "second-{rank}.jsonl")  # fmt: skip
     assert_all_ok(second)
     assert "resuming from" in second[0].stdout and "(step 5)" in second[0].stdout
+    # Said once, with both world sizes and both global batches (4 per rank x 1 accumulation x ranks)
+    (change,) = [line for line in second[0].stdout.splitlines() if "TOPOLOGY CHANGE" in line]
+    assert f"written by 2 ranks, this attempt runs on {resume_ranks}" in change
+    assert f"global batch changes from 8 to {4 * resume_ranks} samples" in change
+    attempt = json.loads((run_dir(root) / "sidecar.json").read_text())["attempts"][-1]
+    assert attempt["topology_change"] == {"world_size": [2, resume_ranks], "global_batch": [8, 4 * resume_ranks]}
+    assert attempt["world_size"] == resume_ranks
     if resume_ranks == 4:
         assert "holds no state for rank 2" in second[2].stdout and "holds no state for rank 3" in second[3].stdout
     # `auto` on one rank writes with the file backend from then on; it read the DCP checkpoint all the same.
@@ -238,6 +245,24 @@ def test_weights_read_from_a_dcp_checkpoint(single_reference, reference):
         assert_same_weights(exported, read_weights(run_dir(root)))  # --pretrained RUN_DIR
     with pytest.raises(Exception, match="holds no EMA weights"):
         read_dcp_weights(latest(single_reference), ema=True)
+
+
+def test_ckpt_export_gathers_a_two_rank_dcp_checkpoint(reference, tmp_path, capsys):
+    """`perdure ckpt export` reads DCP checkpoints in one process, without torchrun, into one full state dict."""
+    from perdure.cli.main import main as perdure_cli
+
+    capsys.readouterr()
+    for target, out in ((run_dir(reference), "latest.pth"), (run_dir(reference) / "latest", "latest.safetensors")):
+        assert perdure_cli(["ckpt", "export", str(target), str(tmp_path / out)]) == 0
+        printed = capsys.readouterr().out
+        assert "(step 30, epoch" in printed and "backend dcp" in printed
+    assert_same_weights(final_weights(reference), torch.load(tmp_path / "latest.pth", weights_only=True))
+    from safetensors.torch import load_file
+
+    assert_same_weights(final_weights(reference), load_file(tmp_path / "latest.safetensors"))
+    best = ["ckpt", "export", str(run_dir(reference) / "best"), str(tmp_path / "best"), "--format", "pth"]
+    assert perdure_cli(best) == 0
+    assert "exported model weights of" in capsys.readouterr().out and (tmp_path / "best").stat().st_size > 0
 
 
 # ---- choosing the backend -------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
 from tests.runs import (
+    PINNED_CODE,
     SCRIPTS,
     assert_ok,
     assert_same_weights,
@@ -40,7 +41,7 @@ def assert_latest_verifies(root: Path) -> None:
 
 def kill_at_random(root: Path, args: tuple[str, ...], delay: float, loss_log: Path) -> int:
     """Start the run, wait until it trains (or up to 20 s), wait `delay` more, SIGKILL. Returns the exit code."""
-    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *args]
+    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *PINNED_CODE, *args]
     before = loss_log.stat().st_size if loss_log.exists() else 0
     process = subprocess.Popen(
         command,

@@ -14,13 +14,23 @@ import time
 import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
-from tests.runs import SCRIPTS, assert_ok, assert_same_weights, environment, final_weights, read_losses, run, run_dir
+from tests.runs import (
+    PINNED_CODE,
+    SCRIPTS,
+    assert_ok,
+    assert_same_weights,
+    environment,
+    final_weights,
+    read_losses,
+    run,
+    run_dir,
+)
 
 ARGS = ("--steps", "40", "--ckpt.interval", "10", "--accum_steps", "2")
 
 
 def start(root, loss_log, *args, **env):
-    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *ARGS, *args]
+    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *PINNED_CODE, *ARGS, *args]
     return subprocess.Popen(
         command,
         env=environment(LOSS_LOG=loss_log, STEP_SLEEP="0.03", **env),
@@ -91,7 +101,7 @@ def test_configured_exit_code_and_async_drain(tmp_path):
 
 def test_second_launch_of_a_live_run_fails_at_once(tmp_path):
     root, loss_log = tmp_path / "run", tmp_path / "losses.jsonl"
-    first = start(root, loss_log)
+    first = start(root, loss_log, "--steps", "400")  # long enough to outlive the second launch's start on a busy host
     try:
         wait_for_losses(loss_log, 2, first)
         started = time.monotonic()

@@ -14,6 +14,8 @@ Environment knobs (tests only):
                   dcp      SIGKILL half-way through writing a DCP shard file (`*.distcp`; sync and thread modes)
                   dcp_enospc  writing a DCP shard file fails with ENOSPC after part of it is written
   FAULT_RANK    install FAULT on this rank only (default: on every rank)
+  SETUP_FAIL    "model": the runner's __init__ raises while building the model (a failed setup)
+  UNSAVEABLE    checkpoints carry a user object that torch.save cannot serialize
 """
 
 import contextlib
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from perdure import Runner, RunnerConfig
+from perdure import ConfigError, Runner, RunnerConfig
 
 
 class Config(RunnerConfig):
@@ -41,11 +43,18 @@ class Config(RunnerConfig):
         self.depth = 0
         self.dropout = 0.2
 
+    def check_user_keys(self):
+        size, batch = self.dataset_size, self.dataloader.batch_size
+        if not isinstance(size, int) or size < batch:
+            fix = f"use at least {batch} samples (one batch), e.g. --dataset_size 100"
+            raise ConfigError("dataset_size", size, fix)
+
 
 def make_config(root, **settings) -> Config:
     """A config for in-process tests: workspace under `root`, then `dotted.key=value` settings in order."""
     config = Config()
     config.workspace.root = str(root)
+    config.workspace.code_id = "tests"  # the run dir does not change while the checkout is edited (tests/runs.py)
     for key, value in settings.items():
         config[key] = value
     return config
@@ -68,9 +77,21 @@ class Synthetic(Dataset):
         return self.inputs[index], self.targets[index]
 
 
+class Unsaveable:
+    """A user object whose state holds a function defined in a method: torch.save cannot pickle it."""
+
+    def state_dict(self):
+        return {"callback": lambda: 0}
+
+    def load_state_dict(self, state):
+        pass
+
+
 class ResumableRunner(Runner):
     def __init__(self, config):
         super().__init__(config)
+        if os.environ.get("SETUP_FAIL") == "model":
+            raise ValueError(f"cannot build the model: width {config.width} is reserved")
         hidden = [layer for _ in range(config.depth) for layer in (nn.Linear(config.width, config.width), nn.ReLU())]
         self.model = nn.Sequential(
             nn.Linear(16, config.width), nn.ReLU(), *hidden, nn.Dropout(config.dropout), nn.Linear(config.width, 2)
@@ -83,6 +104,12 @@ class ResumableRunner(Runner):
         self.kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
         self._position = None
         self._micro = 0
+
+    def checkpoint_states(self):
+        states = super().checkpoint_states()
+        if os.environ.get("UNSAVEABLE"):
+            states["user"] = Unsaveable()
+        return states
 
     def train_step(self, batch):
         if self.state.global_step == self.kill_at:

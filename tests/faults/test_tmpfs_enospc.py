@@ -1,0 +1,93 @@
+"""A real disk that fills up during an interval checkpoint's `state.pth`, in every save mode: the save fails with its
+real cause (ENOSPC, the path, what it needed against what was free), training goes on, every committed checkpoint
+still verifies, and once there is room again the same command resumes and ends bit-equal to a run that never failed.
+State that can never be serialized stops the run at its first save instead, in every mode."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from perdure.checkpoints.commit import verify_checkpoint
+from perdure.checkpoints.resolve import committed_checkpoints
+from perdure.workspace.sidecar import read_sidecar
+from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir
+
+pytestmark = pytest.mark.timeout(300)
+
+# ~1.6 MB per checkpoint (AdamW state included). The disk is sized from the uninterrupted run: everything but the
+# checkpoints, plus two and a half checkpoints, so the first two saves fit and a later interval save does not, nor the
+# final one at step 50. (Async modes may coalesce a plain save into the next one, so which interval save fails first
+# depends on the writer's pace; steps are slowed so that it keeps up.)
+ARGS = ("--steps", "50", "--ckpt.interval", "10", "--width", "256", "--depth", "2")
+PAGE = 4096
+
+
+def usage(path: Path) -> int:
+    """Bytes a tree takes on a tmpfs: whole pages of file data."""
+    return sum(-(-file.stat().st_size // PAGE) * PAGE for file in path.rglob("*") if file.is_file())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    assert_ok(run("resumable.py", root, *ARGS))
+    return root
+
+
+@pytest.fixture
+def small_disk(reference, tmp_path):
+    checkpoints = run_dir(reference) / "checkpoints"
+    one = usage(checkpoints / "ckpt-s000000000010")
+    rest = usage(run_dir(reference)) - usage(checkpoints) - usage(run_dir(reference) / "model.pth")
+    disk = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+    if not mount_tmpfs(disk, f"{(rest + 5 * one // 2) // 1024}k"):
+        pytest.skip("mounting a small tmpfs needs CAP_SYS_ADMIN, which this machine does not grant")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=False)
+
+
+def mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return mounted.returncode == 0
+
+
+@pytest.mark.parametrize("mode", ["disabled", "thread", "process"])
+def test_a_disk_that_fills_during_an_interval_save(reference, small_disk, mode):
+    result = run("resumable.py", small_disk, *ARGS, "--ckpt.async_mode", mode, STEP_SLEEP="0.03")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output  # the final save at step 50 cannot be written either: never just a warning
+    assert "Traceback" not in result.stderr
+    interval = next(line for line in output.splitlines() if "(interval) failed" in line and "Training goes" in line)
+    assert "No space left on device (ENOSPC) writing" in interval and "state.pth" in interval
+    assert "the checkpoint needs about 1.6 MiB" in interval and "free on that filesystem now" in interval
+    assert "step 50/50" in output  # training went on after the failed save
+    checkpoints = run_dir(small_disk) / "checkpoints"
+    assert not list(checkpoints.glob(".tmp-*")), "the partial directory must be removed"
+    committed = committed_checkpoints(checkpoints)
+    assert committed and "ckpt-s000000000050" not in [path.name for path in committed]
+    for path in committed:
+        verify_checkpoint(path)
+    failures = read_sidecar(run_dir(small_disk) / "sidecar.json")["attempts"][-1]["save_failures"]
+    assert failures and all("ENOSPC" in failure["error"] for failure in failures)
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    rerun = run("resumable.py", small_disk, *ARGS, "--ckpt.async_mode", mode)
+    assert_ok(rerun)
+    assert f"resuming from {committed[0]}" in rerun.stdout
+    assert_same_weights(final_weights(reference), final_weights(small_disk))
+
+
+@pytest.mark.parametrize("mode", ["disabled", "thread", "process"])
+def test_state_that_cannot_be_saved_stops_the_run_at_its_first_save(tmp_path, mode):
+    result = run("resumable.py", tmp_path, "--steps", "30", "--ckpt.async_mode", mode, UNSAVEABLE="1")
+    assert result.returncode == 1
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: checkpoint ckpt-s000000000010 could not be written: its state cannot be serialized")
+    assert "Traceback" not in result.stderr
+    assert not committed_checkpoints(run_dir(tmp_path) / "checkpoints")
+    assert read_sidecar(run_dir(tmp_path) / "sidecar.json")["status"] == "failed"

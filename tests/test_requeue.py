@@ -1,0 +1,220 @@
+"""A requeued job continues its run whatever changed in the checkout; a manual rerun after a commit is a new run, said
+out loud, and `--workspace.code_id` continues the old one. The program lives in its own git repository, as a user's
+would, and is stopped by a real SIGTERM after its first checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from perdure.workspace.launch import Launch, current_launch, entry_path, read_entry, write_entry
+from perdure.workspace.sidecar import read_sidecar
+from tests.runs import SCRIPTS, assert_ok, assert_same_weights, environment, read_losses
+
+pytestmark = pytest.mark.timeout(300)
+
+ARGS = ("--steps", "30", "--ckpt.interval", "10")
+
+
+def git(repo: Path, *args: str) -> str:
+    command = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A git repository holding a copy of the training program, as a user's checkout would."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy(SCRIPTS / "resumable.py", repo / "train.py")
+    (repo / "README.md").write_text("a training program\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "first")
+    return repo
+
+
+def commit_something(repo: Path) -> str:
+    (repo / "README.md").write_text("a training program, documented\n")
+    git(repo, "commit", "-q", "-am", "docs")
+    return git(repo, "rev-parse", "--short=7", "HEAD")
+
+
+def train(repo: Path, root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(repo / "train.py"), "--workspace.root", str(root), *ARGS, *args]
+    return subprocess.run(command, env=environment(**env), capture_output=True, text=True, timeout=240)
+
+
+def train_until_sigterm(repo: Path, root: Path, **env: str) -> subprocess.CompletedProcess:
+    """Train until the first checkpoint is committed, then SIGTERM: perdure saves and exits 143."""
+    command = [sys.executable, str(repo / "train.py"), "--workspace.root", str(root), *ARGS]
+    process = subprocess.Popen(command, env=environment(STEP_SLEEP="0.02", **env), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(root.glob("*/*/checkpoints/ckpt-s000000000010/manifest.json")):
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 143, output
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def run_dirs(root: Path) -> list[Path]:
+    return sorted(path.parent for path in root.glob("*/*/checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same program, never stopped."""
+    root = tmp_path_factory.mktemp("reference")
+    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *ARGS]
+    result = subprocess.run(command, env=environment(LOSS_LOG=str(root / "losses.jsonl")), capture_output=True,
+                            text=True, timeout=240)  # fmt: skip
+    assert_ok(result)
+    (run,) = run_dirs(root)
+    return {"weights": torch_load(run / "model.pth"), "losses": read_losses(root / "losses.jsonl")}
+
+
+def torch_load(path: Path):
+    import torch
+
+    return torch.load(path, weights_only=True)
+
+
+def assert_continued_exactly(root: Path, reference: dict, losses: Path) -> Path:
+    (run,) = run_dirs(root)  # one run directory: the requeue continued the first one
+    assert_same_weights(reference["weights"], torch_load(run / "model.pth"))
+    resumed = read_losses(losses)
+    assert resumed and min(resumed)[1] >= 10
+    for position, loss in resumed.items():
+        assert reference["losses"][position] == loss, f"loss at {position} differs"
+    return run
+
+
+@pytest.mark.parametrize(
+    "first, restart",
+    [
+        ({"SLURM_JOB_ID": "4242"}, {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1"}),
+        (
+            {"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"},
+            {"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3", "SLURM_RESTART_COUNT": "1"},
+        ),
+        (
+            {"TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "0"},
+            {"TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "1"},
+        ),
+    ],
+    ids=["slurm", "slurm-array", "torchelastic"],
+)
+def test_a_restart_after_a_commit_continues_the_same_run(repo, tmp_path, reference, first, restart):
+    root = tmp_path / "runs"
+    before = git(repo, "rev-parse", "--short=7", "HEAD")
+    train_until_sigterm(repo, root, **first)
+    after = commit_something(repo)
+    result = train(repo, root, LOSS_LOG=str(tmp_path / "losses.jsonl"), **restart)
+    assert_ok(result)
+    assert "is a restart of launch" in result.stdout
+    assert f"the previous attempt ran {before}, this one runs {after}" in result.stdout
+    run = assert_continued_exactly(root, reference, tmp_path / "losses.jsonl")
+    attempts = read_sidecar(run / "sidecar.json")["attempts"]
+    assert [attempt["code_id"] for attempt in attempts] == [before, after]
+    assert (run / "metadata" / "attempts" / attempts[1]["started"] / "git.yaml").read_text().count(after) >= 1
+
+
+def test_an_interactive_rerun_with_the_same_job_id_is_a_fresh_launch(repo, tmp_path):
+    root = tmp_path / "runs"
+    train_until_sigterm(repo, root, SLURM_JOB_ID="9")
+    commit_something(repo)
+    result = train(repo, root, SLURM_JOB_ID="9")  # no restart count: srun again inside the same allocation
+    assert_ok(result)
+    assert len(run_dirs(root)) == 2
+    assert "--workspace.code_id" in result.stdout
+
+
+def test_a_manual_rerun_after_a_commit_names_the_run_it_could_continue(repo, tmp_path, reference):
+    root = tmp_path / "runs"
+    before = git(repo, "rev-parse", "--short=7", "HEAD")
+    train_until_sigterm(repo, root)
+    commit_something(repo)
+    (stopped,) = run_dirs(root)
+
+    fresh = train(repo, root, "--steps", "5")  # a new run: said out loud, with the option that continues the old one
+    assert_ok(fresh)
+    warning = next(line for line in fresh.stdout.splitlines() if "same lineage and config" in line)
+    assert str(stopped) in warning and "step 10" in warning and f"code {before}" in warning
+    assert f"--workspace.code_id {before}" in warning
+    assert len(run_dirs(root)) == 2
+
+    continued = train(repo, root, "--workspace.code_id", before, LOSS_LOG=str(tmp_path / "losses.jsonl"))
+    assert_ok(continued)
+    assert "resuming from" in continued.stdout and "same lineage and config" not in continued.stdout
+    run = assert_continued_exactly_in(stopped, reference, tmp_path / "losses.jsonl")
+    assert read_sidecar(run / "sidecar.json")["attempts"][-1]["code_id"] != before
+
+
+def assert_continued_exactly_in(run: Path, reference: dict, losses: Path) -> Path:
+    assert_same_weights(reference["weights"], torch_load(run / "model.pth"))
+    for position, loss in read_losses(losses).items():
+        assert reference["losses"][position] == loss, f"loss at {position} differs"
+    return run
+
+
+def test_outside_git_editing_the_program_is_a_new_run(tmp_path):
+    program = tmp_path / "program"
+    program.mkdir()
+    shutil.copy(SCRIPTS / "resumable.py", program / "train.py")
+    root = tmp_path / "runs"
+    first = train(program, root, "--steps", "10")
+    assert_ok(first)
+    (run,) = run_dirs(root)
+    assert run.parent.name.startswith("resumable-src-") and run.name.startswith("src-")
+    assert_ok(train(program, root, "--steps", "10"))  # unchanged: the same run (already at its budget)
+    assert run_dirs(root) == [run]
+
+    (program / "train.py").write_text((program / "train.py").read_text() + "\n# tuned\n")
+    edited = train(program, root, "--steps", "10")
+    assert_ok(edited)
+    assert len(run_dirs(root)) == 2
+    assert "same lineage and config" in edited.stdout
+
+
+def test_launch_identity_from_the_environment():
+    assert current_launch({}) is None
+    assert current_launch({"SLURM_RESTART_COUNT": "2"}) is None  # a count without a job names no launch
+    assert current_launch({"SLURM_JOB_ID": "5"}) == Launch("slurm:5", 0)
+    assert current_launch({"SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "2"}) == Launch("slurm:5", 2)
+    array = {"SLURM_JOB_ID": "8", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "1", "SLURM_RESTART_COUNT": "1"}
+    assert current_launch(array) == Launch("slurm:7_1", 1)
+    # torchrun inside SLURM: the SLURM job names the launch (torchrun's run id is new after a requeue)
+    both = {"SLURM_JOB_ID": "5", "TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "3"}
+    assert current_launch(both) == Launch("slurm:5", 3)
+    elastic = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert current_launch(elastic) == Launch("torchelastic:x", 1)
+    assert not current_launch({"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "junk"}).is_restart
+
+
+def test_launch_index_entries_are_read_with_care(tmp_path):
+    root = tmp_path / "root"
+    launch = Launch("slurm:1", 0)
+    path = entry_path(root, launch, lineage="mlp", config_id="abc", workspace_id=None)
+    assert entry_path(root, launch, lineage="mlp", config_id="abd", workspace_id=None) != path
+    write_entry(path, launch=launch, run_dir=root / "mlp-1234567" / "run", root=root, code_id="1234567", run_id="run")
+    assert read_entry(path, root)["run_dir"] == "mlp-1234567/run"
+    for hostile in ('{"format": "perdure-launch/1", "run_dir": "../../etc", "code_id": null, "run_id": "x"}',
+                    '{"format": "perdure-launch/1", "run_dir": "/etc", "code_id": null, "run_id": "x"}',
+                    "[" * 100_000, "x" * 100_000, '{"format": 1}'):  # fmt: skip
+        path.write_text(hostile)
+        assert read_entry(path, root) is None
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"format": "perdure-launch/1", "run_dir": "a", "run_id": "a"}))
+    assert read_entry(path, root) is None  # never followed
