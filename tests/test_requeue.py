@@ -122,7 +122,7 @@ def test_a_restart_after_a_commit_continues_the_same_run(repo, tmp_path, referen
     after = commit_something(repo)
     result = train(repo, root, LOSS_LOG=str(tmp_path / "losses.jsonl"), **restart)
     assert_ok(result)
-    assert "is a restart of launch" in result.stdout
+    assert "of launch" in result.stdout and "the run its first attempt started" in result.stdout
     assert f"the previous attempt ran {before}, this one runs {after}" in result.stdout
     run = assert_continued_exactly(root, reference, tmp_path / "losses.jsonl")
     attempts = read_sidecar(run / "sidecar.json")["attempts"]

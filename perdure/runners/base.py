@@ -190,8 +190,8 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
     def _announce_run(self, run_dir: RunDir, source: RestoreSource) -> None:
         """Say where a restarted launch continues, and which runs a fresh start could have continued instead."""
         if run_dir.continued_launch:
-            self.logger.info("%s is a restart of launch %s: continuing %s", type(self).__name__,
-                             run_dir.launch.describe(), run_dir.path)  # fmt: skip
+            self.logger.info("restart %d of launch %s: continuing %s, the run its first attempt started",
+                             run_dir.launch.restart, run_dir.launch.key, run_dir.path)  # fmt: skip
         elif run_dir.launch is not None and run_dir.launch.is_restart:
             self.logger.warning(
                 "this is restart %d of launch %s, but the workspace's launch index has no entry for it (its first "
