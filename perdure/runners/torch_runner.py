@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from perdure.checkpoints.base import Stateful
 from perdure.distributed.collectives import all_ranks
+from perdure.distributed.ddp import FixedLayoutDDP
 from perdure.distributed.process_group import init_process_group, local_device
 from perdure.runners.base import BaseRunner
 
@@ -42,9 +43,12 @@ class TorchRunner(BaseRunner):
         return local_device()
 
     def wrap_model(self) -> None:
+        """DDP with the gradient bucket layout fixed before the first step (`FixedLayoutDDP`): a resumed process
+        reduces every step in the layout the uninterrupted run used, so a resume on the same world size is bit-exact
+        on any number of ranks."""
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.model, device_ids=device_ids)
+            self.model = FixedLayoutDDP(self.model, device_ids=device_ids)
 
     def unwrap_model(self) -> torch.nn.Module:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
