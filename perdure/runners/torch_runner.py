@@ -29,6 +29,10 @@ class TorchRunner(BaseRunner):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.device = self.select_device()
+        if self.device.type == "cuda":
+            # The device's own CUDA context, and the generator `RNGState` saves as this process's (DDP on gloo
+            # leaves the current device at 0 otherwise).
+            torch.cuda.set_device(self.device)
         precision = config.precision
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
@@ -60,6 +64,8 @@ class TorchRunner(BaseRunner):
 
     def place_model(self) -> None:
         self.model.to(self.device)
+        if self.ema is not None:  # an EMA the user built in __init__, before the model moved
+            self.ema.to(self.device)
         if self.criterion is not None and isinstance(self.criterion, torch.nn.Module):
             self.criterion.to(self.device)
 
@@ -126,6 +132,8 @@ class TorchRunner(BaseRunner):
             return data if data.device == self.device else data.to(self.device, non_blocking=True)
         if isinstance(data, Mapping):
             return {key: self.to_device(value) for key, value in data.items()}
+        if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple takes its fields as arguments
+            return type(data)(*(self.to_device(value) for value in data))
         if isinstance(data, (list, tuple)):
             return type(data)(self.to_device(value) for value in data)
         return data
