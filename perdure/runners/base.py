@@ -39,6 +39,7 @@ from perdure.resilience.run_lock import RunLock
 from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.cadence import Cadence
 from perdure.runners.checkpointing import CheckpointingMixin
+from perdure.runners.determinism import configure_determinism
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.evaluation import EvaluationMixin
 from perdure.runners.export import read_weights
@@ -82,6 +83,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
                 "starts a process that imports the script, so put the training under `if __name__ == '__main__':`"
             )
         config.check()
+        configure_determinism(config.deterministic)  # before anything can initialise CUDA
         self.config = config
         self.logger = get_logger()
         self.state = RunnerState()
