@@ -54,9 +54,10 @@ def allocate_pinned(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) ->
     if not shared:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     buffer = torch.empty(shape, dtype=dtype).share_memory_()
-    from torch.cuda import _pin_memory_utils
-
-    _pin_memory_utils.pin_memory(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+    # cudaHostRegisterPortable (1): pinned for every CUDA context, as DCP's own shared staging registers it.
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 1))
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of a shared buffer of {list(shape)} failed with cudaError {error}")
     weakref.finalize(buffer, _unpin, buffer.data_ptr())
     return buffer
 
