@@ -4,7 +4,8 @@
 after the first iteration, so that a resumed process reduces exactly as the uninterrupted one. This measures what it
 costs in the steady state: both sides run the same hand-written DDP loop (zero_grad, forward, loss, backward, AdamW
 step) on the same data, interleaved round by round (the order alternates), and the median of the per-round ratios of
-the time per step (after warm-up steps, which include plain DDP's rebuild) is reported per world size. It also
+the time per step (after warm-up steps, which include plain DDP's rebuild) is reported per world size, in wall time
+and in rank 0's process CPU time (communication threads included; immune to other processes' load). It also
 records each wrap's bucket layout after its rebuild, as parameter names: when the two are equal, both sides issue the
 same all-reduces from the second step on and the ratio can only show noise.
 
@@ -55,7 +56,7 @@ def layout(wrapped: DistributedDataParallel) -> list[list[str]]:
     return [[by_index[int(i)] for i in bucket.split()] for bucket in indices.split(",") if bucket.strip()]
 
 
-def time_steps(wrapper: type, spec: tuple[int, int, int, int], steps: int, rank: int) -> tuple[float, list]:
+def time_steps(wrapper: type, spec: tuple[int, int, int, int], steps: int, rank: int) -> tuple[float, float, list]:
     features, width, layers, batch = spec
     model = make_model(features, width, layers)
     wrapped = wrapper(model)
@@ -72,11 +73,12 @@ def time_steps(wrapper: type, spec: tuple[int, int, int, int], steps: int, rank:
     for _ in range(WARMUP_STEPS):
         step()
     dist.barrier()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
+    cpu = time.process_time() - cpu_started  # this rank's process, its communication threads included
     dist.barrier()
-    return (time.perf_counter() - started) / steps, layout(wrapped)
+    return (time.perf_counter() - started) / steps, cpu / steps, layout(wrapped)
 
 
 def rank_main(rank: int, world_size: int, port: int, steps: int, rounds: int, results: Any) -> None:
@@ -85,13 +87,15 @@ def rank_main(rank: int, world_size: int, port: int, steps: int, rounds: int, re
     record: dict[str, Any] = {}
     for model, spec in MODELS.items():
         seconds: dict[str, list[float]] = {name: [] for name in WRAPPERS}
+        cpu_seconds: dict[str, list[float]] = {name: [] for name in WRAPPERS}
         layouts = {}
         for index in range(rounds):
             order = list(WRAPPERS) if index % 2 == 0 else list(WRAPPERS)[::-1]
             for name in order:
-                per_step, layouts[name] = time_steps(WRAPPERS[name], spec, steps, rank)
+                per_step, cpu_per_step, layouts[name] = time_steps(WRAPPERS[name], spec, steps, rank)
                 seconds[name].append(per_step)
-        record[model] = {"seconds": seconds, "layouts": layouts}
+                cpu_seconds[name].append(cpu_per_step)
+        record[model] = {"seconds": seconds, "cpu_seconds": cpu_seconds, "layouts": layouts}
     if rank == 0:
         results.put(record)
     dist.destroy_process_group()
@@ -127,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         for model, data in record.items():
             plain, fixed = data["seconds"]["plain"], data["seconds"]["fixed"]
             ratios = [f / p for f, p in zip(fixed, plain)]
+            cpu_ratios = [f / p for f, p in zip(data["cpu_seconds"]["fixed"], data["cpu_seconds"]["plain"])]
             same_layout = data["layouts"]["plain"] == data["layouts"]["fixed"]
             summary[f"{model}, {world_size} ranks"] = {
                 "plain_ms_per_step": median(plain) * 1e3,
@@ -134,16 +139,20 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio": median(ratios),
                 "ratio_range": [min(ratios), max(ratios)],
                 "ratio_stdev": statistics.pstdev(ratios),
+                "cpu_ratio": median(cpu_ratios),
+                "cpu_ratio_range": [min(cpu_ratios), max(cpu_ratios)],
                 "same_layout_as_plain_after_rebuild": same_layout,
                 "layouts": data["layouts"],
                 "rounds": {"plain": plain, "fixed": fixed},
             }
             rows.append([model, world_size, median(plain) * 1e3, median(fixed) * 1e3, median(ratios),
-                         spread(ratios), "yes" if same_layout else "NO"])  # fmt: skip
+                         spread(ratios), median(cpu_ratios), spread(cpu_ratios),
+                         "yes" if same_layout else "NO"])  # fmt: skip
             metric = f"fixed / plain DDP time per step, {model}, {world_size} ranks"
             targets.append(target(metric, median(ratios), "<=", TARGET_RATIO))
-    print(format_table(["model", "ranks", "plain ms/step", "fixed ms/step", "ratio", "ratio range", "same layout"],
-                       rows))  # fmt: skip
+    headers = ["model", "ranks", "plain ms/step", "fixed ms/step", "ratio", "ratio range", "cpu ratio",
+               "cpu ratio range", "same layout"]  # fmt: skip
+    print(format_table(headers, rows))
     print(format_targets(targets))
     config = {
         "steps": args.steps,
@@ -152,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         "models": {name: dict(zip(("features", "width", "layers", "batch"), spec)) for name, spec in MODELS.items()},
         "backend": "gloo",
         "torch_threads": threads,
-        "ratio": "median over rounds of fixed / plain wall time per step (after warm-up, between barriers)",
+        "ratio": "median over rounds of fixed / plain wall time per step (after warm-up, between barriers); cpu "
+        "ratio: the same in rank 0's process CPU time (immune to other processes' load)",
     }
     if note := load_note():
         print(f"WARNING: {note}")
