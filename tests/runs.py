@@ -81,6 +81,12 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
 
 
+def assert_all_ok(results: list[subprocess.CompletedProcess]) -> None:
+    """Every rank of a multi-rank launch exited 0."""
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} exited {result.returncode}:\n{result.stdout}"
+
+
 def free_port() -> int:
     import socket
 

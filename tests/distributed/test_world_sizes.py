@@ -9,18 +9,13 @@ import signal
 
 import pytest
 
-from tests.runs import assert_same_weights, final_weights, read_losses, run_ranks
+from tests.runs import assert_all_ok, assert_same_weights, final_weights, read_losses, run_ranks
 
 ARGS = ("--steps", "20", "--ckpt.interval", "5", "--dist.timeout", "60")
 ARGS += ("--dataset_size", "96", "--dataloader.batch_size", "4")
 TIMEOUT = 150  # seconds one launch of the ranks may take before the test fails
 
 pytestmark = pytest.mark.timeout(400)
-
-
-def assert_all_ok(results):
-    for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank} exited {result.returncode}:\n{result.stdout}"
 
 
 @pytest.fixture(scope="module", params=[3, 4], ids=lambda ranks: f"{ranks}ranks")
