@@ -1,8 +1,9 @@
 """Run the benchmarks (`make bench`): each in its own process, then one summary table.
 
-    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [--strict]
+    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [gpu] [--strict]
 
-Each benchmark prints its own table and writes `bench-results/<name>.json`. A missed target is reported, not
+Each benchmark prints its own table and writes `bench-results/<name>.json`; `gpu` says it skipped where there is no
+CUDA device. A missed target is reported, not
 failed: this exits non-zero only when a benchmark crashes, or with `--strict` when a target is missed.
 `OMP_NUM_THREADS` (default 1) is passed to every benchmark, which pins torch's threads to it for both sides of
 each comparison.
@@ -22,7 +23,7 @@ from typing import Any
 from _common import DEFAULT_THREADS, RESULTS_DIR, format_table
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save")
+BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save", "ddp_step", "gpu")
 
 
 def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
@@ -61,6 +62,22 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
              "", ""]
             for key, r in results.items()
         ]  # fmt: skip
+    if name == "ddp_step":
+        return [
+            [name, f"{key}: plain / fixed ms per step, same layout", f"{r['plain_ms_per_step']:.2f} / "
+             f"{r['fixed_ms_per_step']:.2f}, {'yes' if r['same_layout_as_plain_after_rebuild'] else 'NO'}", "", ""]
+            for key, r in results.items()
+        ]  # fmt: skip
+    if name == "gpu":
+        if "skipped" in results:
+            return [[name, "skipped", results["skipped"], "", ""]]
+        rows = [[name, f"{model}: hand / runner ms per step, same params", f"{r['hand_ms_per_step']:.2f} / "
+                 f"{r['runner_ms_per_step']:.2f}, {'yes' if r['same_params_as_hand'] else 'NO'}", "", ""]
+                for model, r in results.get("steps", {}).items()]  # fmt: skip
+        rows += [[name, f"stall {mode}: per save s, step time / none", f"{r['stall_per_save_s']:.3f}, "
+                  f"{r['step_time_over_none']:.3f}", "", ""]
+                 for mode, r in results.get("stall", {}).items() if mode != "none"]  # fmt: skip
+        return rows
     if name == "async_stall":
         return [
             [name, f"{mode}: stall per save s / total s / peak RSS GiB", f"{r['stall_per_save_s']:.3f} / "

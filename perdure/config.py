@@ -68,6 +68,7 @@ _COUNTS: dict[str, tuple[int, bool]] = {
 }
 _BOOLS = (
     "skip_nonfinite_grad",
+    "deterministic",
     "ckpt.enabled",
     "ckpt.save_best",
     "ema.enabled",
@@ -93,6 +94,7 @@ class RunnerConfig(chanfig.Config):
         self.precision = "fp32"
         self.max_grad_norm = None
         self.skip_nonfinite_grad = True
+        self.deterministic = False  # deterministic kernels (GPU resumes bit-exact); see docs/checkpoints.md
         self.eval_interval = None
         self.checkpoint = None
         self.resume = "auto"

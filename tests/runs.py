@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -83,6 +84,12 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
 
 
+def assert_all_ok(results: list[subprocess.CompletedProcess]) -> None:
+    """Every rank of a multi-rank launch exited 0."""
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} exited {result.returncode}:\n{result.stdout}"
+
+
 def free_port() -> int:
     import socket
 
@@ -91,11 +98,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def skip_unless_ranks_fit(world_size: int) -> None:
+    """Skip the calling test when CUDA is visible with fewer GPUs than ranks: a rank trains on the GPU its LOCAL_RANK
+    names (NCCL cannot put two ranks on one GPU). Without CUDA, ranks share the CPU through gloo and always fit."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        pytest.skip(
+            f"{world_size} ranks need {world_size} GPUs when CUDA is visible, this machine has "
+            f"{torch.cuda.device_count()}; run with CUDA_VISIBLE_DEVICES= to test the ranks on the CPU with gloo"
+        )
+
+
 def start_ranks(
     world_size: int, script: str, root: Path, *args: str, port: int | None = None, **env: str
 ) -> list[subprocess.Popen]:
     """Start `world_size` ranks of a script the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each in
     its own process, so a test can signal, kill and read the exit status of each rank."""
+    skip_unless_ranks_fit(world_size)
     port = port or free_port()
     processes = []
     for rank in range(world_size):

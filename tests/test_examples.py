@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from tests.runs import skip_unless_ranks_fit
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -55,6 +57,7 @@ def test_demo_reports_identical_parameters(tmp_path):
 
 
 def test_demo_under_torchrun_with_two_ranks(tmp_path):
+    skip_unless_ranks_fit(2)
     result = run("demo.py", "--root", str(tmp_path / "demo"), "--nproc", "2")
     assert "torchrun --standalone --nproc_per_node=2" in result.stdout
     assert "resuming from" in result.stdout and "nothing to train" not in result.stdout

@@ -66,7 +66,7 @@ class SaveOutcome:
 class AsyncSaver:
     """The queue between the training loop and the single background writer."""
 
-    def __init__(self, manager: CheckpointManager, mode: str) -> None:
+    def __init__(self, manager: CheckpointManager, mode: str, shared_memory: bool | None = None) -> None:
         if mode not in ("thread", "process"):
             raise ValueError(f"async mode must be 'thread' or 'process', got {mode!r}")
         self.manager = manager
@@ -77,7 +77,8 @@ class AsyncSaver:
         self._snapshots: list[Snapshot] = []
         self._outcomes: list[SaveOutcome] = []
         self._closed = False
-        self.pool = BufferPool(shared_memory=mode == "process")
+        # Shared memory when another process reads the snapshot (this writer's, or a backend's own, e.g. DCP's).
+        self.pool = BufferPool(shared_memory=mode == "process" if shared_memory is None else shared_memory)
         # The writer process starts now, while training warms up, so the first save does not wait for its imports.
         self._writer = _WriterProcess(manager) if mode == "process" else None
         self._thread = threading.Thread(target=self._run, name="perdure-checkpoint-writer", daemon=True)
@@ -121,11 +122,12 @@ class AsyncSaver:
             self._condition.notify_all()
 
     def wait_for_snapshots(self) -> None:
-        """Block until every snapshot handed over has its copies; called before the optimizer mutates parameters."""
+        """Order the coming optimizer step after the copies of every snapshot handed over (on the device for GPU
+        copies, on the host otherwise); called before the optimizer mutates parameters."""
         with self._condition:
             snapshots, self._snapshots = self._snapshots, []
         for snapshot in snapshots:
-            snapshot.wait()
+            snapshot.fence()
 
     def drain(self) -> None:
         """Wait until everything queued is written (or has failed)."""

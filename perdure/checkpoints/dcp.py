@@ -119,7 +119,8 @@ class DCPCheckpointManager(CheckpointManager):
             # With several ranks DCP's own executor does the thread / process work; perdure's writer process is only
             # used by a single process (its `dcp.save` needs no process group).
             mode = "thread" if self.world_size > 1 else self.policy.async_mode
-            self._saver = AsyncSaver(self, mode)
+            # DCP's process receives the snapshot without another copy when its buffers are shared memory.
+            self._saver = AsyncSaver(self, mode, shared_memory=self.policy.async_mode == "process")
         return self._saver
 
     # ---- the backend --------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Snapshots: a copy of a checkpoint's state that training may run on past while it is written.
 
-Tensors that only the optimizer step changes (parameters, optimizer state, EMA shadows) are copied in a background
-thread while the next forward / backward run; the runner waits for that copy only before the optimizer mutates them.
-Every other tensor (buffers such as BatchNorm statistics change in the forward) and all plain data are copied at once.
+Tensors that only the optimizer step changes (parameters, optimizer state, EMA shadows) are copied while the next
+forward / backward run; the runner orders the optimizer step after those copies (`Snapshot.fence`). Every other tensor
+(buffers such as BatchNorm statistics change in the forward) and all plain data are copied before the loop goes on.
+CPU tensors are copied by a background thread; GPU tensors go to pinned host buffers on a dedicated CUDA stream, and
+the loop waits for them on the device, not on the host (see staging.py for the policy and its fallbacks).
 """
 
 from __future__ import annotations
@@ -15,40 +17,53 @@ from typing import Any
 
 import torch
 
+from perdure.checkpoints.staging import CopyFence, Staging
+
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return (tensor.device.type, tensor.untyped_storage().data_ptr())
 
 
 class BufferPool:
-    """CPU buffers of past snapshots, reused by the next one.
+    """Host buffers of past snapshots, reused by the next one; their kind (shared, pinned) follows `staging`.
 
-    A fresh 1 GB buffer costs a page fault per 4 KB page on its first write, about as much as the copy itself; a
-    reused one does not. Buffers come back only once their save is committed (or dropped), so a buffer is never
-    written while it is being read. The pool keeps about one snapshot's worth of memory between saves.
+    A fresh 1 GB buffer costs a page fault per 4 KB page on its first write, about as much as the copy itself, and a
+    pinned one far more; a reused one does not. Buffers come back only once their save is committed (or dropped), so a
+    buffer is never written while it is being read. The pool keeps about one snapshot's worth of memory between saves.
     """
 
-    def __init__(self, shared_memory: bool = False) -> None:
-        self.shared_memory = shared_memory
-        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+    def __init__(self, shared_memory: bool = False, staging: Staging | None = None) -> None:
+        self.staging = staging or Staging(shared=shared_memory)
+        self.shared_memory = self.staging.shared
+        self._free: dict[tuple[tuple[int, ...], torch.dtype, bool], list[torch.Tensor]] = {}
+        self._pinned: set[int] = set()  # data pointers of the pinned buffers this pool made
         self._lock = threading.Lock()
 
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def take(self, source: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """A buffer shaped like `source`, and whether it is pinned (then the copy may be asynchronous)."""
+        shape, dtype = tuple(source.shape), source.dtype
+        wanted = self.staging.wants_pinned(source)
         with self._lock:
-            free = self._free.get((tuple(shape), dtype))
-            if free:
-                return free.pop()
-        buffer = torch.empty(shape, dtype=dtype, device="cpu")
-        return buffer.share_memory_() if self.shared_memory else buffer
+            for pinned in (True, False) if wanted else (False,):
+                free = self._free.get((shape, dtype, pinned))
+                if free:
+                    return free.pop(), pinned
+        buffer, pinned = self.staging.allocate(shape, dtype, wanted)
+        if pinned:
+            with self._lock:
+                self._pinned.add(buffer.data_ptr())
+        return buffer, pinned
 
     def give_back(self, buffers: Iterable[torch.Tensor]) -> None:
         with self._lock:
             for buffer in buffers:
-                self._free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+                pinned = buffer.numel() > 0 and buffer.data_ptr() in self._pinned
+                self._free.setdefault((tuple(buffer.shape), buffer.dtype, pinned), []).append(buffer)
 
 
 class Snapshot:
-    """Copies of `replicated` and `local` state trees; `wait()` returns once every tensor is copied."""
+    """Copies of `replicated` and `local` state trees; `fence()` orders the optimizer step after the copies of what it
+    changes, `wait()` returns once every copy is complete."""
 
     def __init__(
         self,
@@ -62,10 +77,15 @@ class Snapshot:
         self._deferred_keys = {storage_key(t) for t in deferred}
         self._pool = pool or BufferPool(shared_memory)
         self.buffers: list[torch.Tensor] = []  # every buffer this snapshot holds, to give back to the pool
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # copied by the background thread
+        self._device_now: list[tuple[torch.Tensor, torch.Tensor]] = []  # into pinned buffers, before the loop goes on
+        self._device_later: list[tuple[torch.Tensor, torch.Tensor]] = []  # into pinned buffers, before the step
         self.nbytes = 0
         self.replicated = self._copy_tree(replicated)
         self.local = self._copy_tree(local)
+        ordered, self._unordered = self._pool.staging.start_copies(self._device_now, self._device_later)
+        self._fences: list[CopyFence] = ordered + self._unordered
+        self._device_now, self._device_later = [], []
         self._done = threading.Event()
         self._error: BaseException | None = None
         if self._pending:
@@ -73,15 +93,28 @@ class Snapshot:
         else:
             self._done.set()
 
+    def fence(self) -> None:
+        """Order the coming optimizer step after every copy of what it changes: GPU copies on the device (the current
+        stream waits for their event; the host goes on), the background thread's copies on the host. Re-raises a
+        copy failure."""
+        for fence in self._unordered:
+            fence.order_before_mutation()
+        self._unordered = []
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
     def wait(self) -> None:
-        """Block until every tensor is copied; re-raise a copy failure."""
+        """Block until every tensor is copied; re-raise a copy failure. The buffers may be read afterwards."""
+        for fence in self._fences:
+            fence.wait()
         self._done.wait()
         if self._error is not None:
             raise self._error
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done.is_set() and all(fence.done() for fence in self._fences)
 
     def _copy_tree(self, tree: Any) -> Any:
         if isinstance(tree, torch.Tensor):
@@ -95,10 +128,13 @@ class Snapshot:
 
     def _copy_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
-        target = self._pool.take(tensor.shape, tensor.dtype)
+        target, pinned = self._pool.take(tensor)
         self.buffers.append(target)
         self.nbytes += tensor.numel() * tensor.element_size()
-        if storage_key(tensor) in self._deferred_keys:
+        deferred = storage_key(tensor) in self._deferred_keys
+        if pinned:
+            (self._device_later if deferred else self._device_now).append((target, tensor))
+        elif deferred:
             self._pending.append((target, tensor))
         else:
             target.copy_(tensor)
@@ -107,9 +143,8 @@ class Snapshot:
     def _copy_pending(self) -> None:
         try:
             for target, source in self._pending:
-                target.copy_(source, non_blocking=source.device.type == "cuda")
-            if any(source.device.type == "cuda" for _, source in self._pending):
-                torch.cuda.synchronize()
+                # A GPU tensor lands here only without a pinned buffer: a synchronous copy, on this thread's stream.
+                target.copy_(source)
         except BaseException as error:  # reported to the thread that waits
             self._error = error
         finally:

@@ -50,9 +50,11 @@ from perdure.resilience.run_lock import LOCK_NAME, RunLock
 from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.cadence import Cadence
 from perdure.runners.checkpointing import CheckpointingMixin, building_for_inspection
+from perdure.runners.determinism import configure_determinism
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.evaluation import EvaluationMixin
 from perdure.runners.export import read_weights
+from perdure.runners.losses import mean_loss
 from perdure.runners.optim import build_optimizer, build_scheduler
 from perdure.runners.rng import derived_seed, seed_everything
 from perdure.runners.state import RunnerState
@@ -100,6 +102,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
                 "starts a process that imports the script, so put the training under `if __name__ == '__main__':`"
             )
         config.check()
+        configure_determinism(config.deterministic)  # before anything can initialise CUDA
         self.config = config
         self.logger = get_logger()
         self.state = RunnerState()
@@ -664,7 +667,7 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
     def _log_train_progress(self) -> None:
         if not self._losses:
             return
-        loss = torch.stack(self._losses).mean().item()
+        loss = mean_loss(self._losses)  # floats carried over a resume, then this run's tensors
         self._losses.clear()
         now = time.perf_counter()
         steps_per_second = (self.state.global_step - self._clock_step) / max(now - self._clock, 1e-9)

@@ -19,6 +19,7 @@ from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError
 from perdure.loggers.console import get_logger
 from perdure.runners.export import export_weights, read_weights
+from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
 from perdure.workspace.identity import canonical_config, config_diff
 from perdure.workspace.run_dir import resolve_run_dir
@@ -66,7 +67,7 @@ class CheckpointingMixin:
             "score": self.state.best_score if self.state.best_step == self.state.global_step else None,
         }
         is_best = self.state.best_step == self.state.global_step
-        self.state.pending_losses = list(self._losses)
+        self.state.pending_losses = losses_as_floats(self._losses)  # plain numbers: one device sync per save
         started = time.perf_counter()
         try:
             path = self.checkpoints.save(

@@ -37,6 +37,11 @@ class ExponentialMovingAverage:
         if averaged:
             torch._foreach_lerp_(averaged, targets, 1.0 - self.decay)
 
+    def to(self, device: torch.device) -> ExponentialMovingAverage:
+        """Move the shadows to `device` (the model's), where `update` averages them."""
+        self.shadow = {name: tensor.to(device) for name, tensor in self.shadow.items()}
+        return self
+
     def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "shadow": dict(self.shadow)}
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("perdure")
 
 
 def seed_everything(seed: int) -> None:
@@ -43,6 +46,7 @@ class RNGState:
         }
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state_all()
+            state["cuda_device"] = torch.cuda.current_device()  # the one this process trains on (TorchRunner sets it)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -60,7 +64,34 @@ class RNGState:
         )
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+            restore = cuda_states_to_restore(
+                state["cuda"], state.get("cuda_device"), torch.cuda.device_count(), torch.cuda.current_device()
+            )
+            for device, generator_state in restore:
+                torch.cuda.set_rng_state(generator_state, device)
+
+
+def cuda_states_to_restore(
+    saved: list[torch.Tensor], saved_device: int | None, device_count: int, current_device: int
+) -> list[tuple[int, torch.Tensor]]:
+    """Which saved CUDA generator states go to which device of this process, as (device index, state).
+
+    With as many devices as the saving process saw, each state goes back to its own index (a process that uses several
+    devices gets all of them back). With another number (say each rank now sees only its own GPU, where it saw the
+    whole node before), the generator of the device the saving process trained on goes to the device this one trains
+    on, and the others keep their seeds.
+    """
+    if len(saved) == device_count:
+        return list(enumerate(saved))
+    if saved_device is None or not 0 <= saved_device < len(saved):
+        logger.warning(
+            "the checkpoint holds CUDA generator states of %d devices and this process sees %d, without saying which "
+            "one it trained on: the CUDA generators keep their seeds (the resume is not bit-exact on the GPU)",
+            len(saved),
+            device_count,
+        )
+        return []
+    return [(current_device, saved[saved_device])]
 
 
 def _as_python_state(state: Any) -> tuple:

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from perdure.checkpoints.base import Stateful
 from perdure.distributed.collectives import all_ranks
+from perdure.distributed.ddp import FixedLayoutDDP
 from perdure.distributed.process_group import init_process_group, local_device
 from perdure.runners.base import BaseRunner
 
@@ -28,6 +29,10 @@ class TorchRunner(BaseRunner):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.device = self.select_device()
+        if self.device.type == "cuda":
+            # The device's own CUDA context, and the generator `RNGState` saves as this process's (DDP on gloo
+            # leaves the current device at 0 otherwise).
+            torch.cuda.set_device(self.device)
         precision = config.precision
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
@@ -42,9 +47,12 @@ class TorchRunner(BaseRunner):
         return local_device()
 
     def wrap_model(self) -> None:
+        """DDP with the gradient bucket layout fixed before the first step (`FixedLayoutDDP`): a resumed process
+        reduces every step in the layout the uninterrupted run used, so a resume on the same world size is bit-exact
+        on any number of ranks."""
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.model, device_ids=device_ids)
+            self.model = FixedLayoutDDP(self.model, device_ids=device_ids)
 
     def unwrap_model(self) -> torch.nn.Module:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
@@ -56,6 +64,8 @@ class TorchRunner(BaseRunner):
 
     def place_model(self) -> None:
         self.model.to(self.device)
+        if self.ema is not None:  # an EMA the user built in __init__, before the model moved
+            self.ema.to(self.device)
         if self.criterion is not None and isinstance(self.criterion, torch.nn.Module):
             self.criterion.to(self.device)
 
@@ -122,6 +132,8 @@ class TorchRunner(BaseRunner):
             return data if data.device == self.device else data.to(self.device, non_blocking=True)
         if isinstance(data, Mapping):
             return {key: self.to_device(value) for key, value in data.items()}
+        if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple takes its fields as arguments
+            return type(data)(*(self.to_device(value) for value in data))
         if isinstance(data, (list, tuple)):
             return type(data)(self.to_device(value) for value in data)
         return data

@@ -18,8 +18,8 @@ from perdure.config import flatten, plain_dict
 
 # Keys that do not change the maths, as dotted prefixes (`*` matches one section name, e.g. a dataloader split).
 # They are left out of `config_id`: logging, where the run lives, where it restores from, how checkpoints are
-# written, the step / epoch budget (so a run can be extended by resuming it with a larger budget), and loader
-# performance knobs.
+# written, the step / epoch budget (so a run can be extended by resuming it with a larger budget), loader
+# performance knobs, and `deterministic` (which kernels compute the same maths: a run may turn it on to continue).
 NON_IDENTITY_KEYS = (
     "workspace",
     "log",
@@ -37,6 +37,7 @@ NON_IDENTITY_KEYS = (
     "dataloader.pin_memory",
     "dataloader.*.num_workers",
     "dataloader.*.pin_memory",
+    "deterministic",
 )
 
 # Fixed diff options, so the hash of a dirty tree does not depend on the user's git configuration.

@@ -21,6 +21,7 @@ from perdure.checkpoints.select import manager_class
 from perdure.checkpoints.snapshot import Snapshot
 from perdure.runners.export import read_weights
 from tests.runs import (
+    assert_all_ok,
     assert_ok,
     assert_same_weights,
     final_weights,
@@ -37,11 +38,6 @@ ARGS += ("--dataset_size", "96", "--dataloader.batch_size", "4")
 TIMEOUT = 150  # seconds one launch of the ranks may take before the test fails
 
 pytestmark = pytest.mark.timeout(400)
-
-
-def assert_all_ok(results):
-    for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank} exited {result.returncode}:\n{result.stdout}"
 
 
 def wait_for(root, pattern, processes, timeout=120):

@@ -11,17 +11,12 @@ import time
 import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
-from tests.runs import assert_same_weights, final_weights, read_losses, run_dir, run_ranks, start_ranks
+from tests.runs import assert_all_ok, assert_same_weights, final_weights, read_losses, run_dir, run_ranks, start_ranks
 
 ARGS = ("--steps", "30", "--ckpt.interval", "5", "--ckpt.backend", "file")
 ARGS += ("--dataset_size", "96", "--dataloader.batch_size", "4")
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def assert_all_ok(results):
-    for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank} exited {result.returncode}:\n{result.stdout}"
 
 
 def wait_for(path_glob_root, pattern, processes, timeout=120):

@@ -1,0 +1,374 @@
+"""GPU benchmark (issue 9): the runner's step time against a hand-written CUDA loop, and the loop stall of an async
+checkpoint against a sync one, for a model of more than 400M parameters. Without CUDA it prints one line and exits 0.
+
+    python benchmarks/gpu.py [--rounds 3] [--skip-stall] [--skip-steps]
+    python benchmarks/gpu.py --device cpu --smoke    # the code paths on a CPU, tiny sizes: no measurement
+
+Step time (`mlp`: 3 x Linear(2048) fp32; `gpt`: a 6-layer GPT, d 512, bf16 autocast): both sides read the same data
+through the same loader class and sampler (torchdata StatefulDataLoader + perdure's ResumableSampler; pinned, moved
+with non_blocking), run AdamW, and tick a wall clock at every step; the ratio is the median over interleaved rounds
+of the per-round ratio of steady-state time per step (median of 10-step blocks). The whole benchmark runs with
+deterministic algorithms on (as `deterministic=true` does), so both sides compute the same bits and the final
+parameters are compared: flash-attention's backward is not deterministic otherwise.
+
+Stall (`gpt-435m`: 20 layers, d 1280, 435M parameters, 5.2 GB of fp32 parameters + AdamW state, bf16 autocast): each
+mode trains in its own process for `--stall-steps` steps with a save every `--interval` steps (file backend,
+`keep_latest_k=1`): no checkpoints, sync, async thread, async process. The loop's time runs from the first step to
+the final save, after a device sync (so the final save and the drain of the writer are left out); the stall per
+save is the extra loop time over the run without checkpoints, divided by the saves made in the loop. Target: async
+stall / sync stall <= 0.05 (thread and process), and the step time between saves unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import RESULTS_DIR, format_table, format_targets, median, target, write_results
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perdure import ResumableSampler, Runner, RunnerConfig  # noqa: E402
+from perdure.runners.determinism import configure_determinism  # noqa: E402
+
+NAME = "gpu"
+SEED = 0
+LR = 3e-4
+BLOCK = 10
+STALL_MODES = ("none", "disabled", "thread", "process")
+TARGET_STALL_RATIO = 0.05
+
+
+# ---- models ------------------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, length: int, width: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.embed, self.position = nn.Embedding(vocab, width), nn.Embedding(length, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def gpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    inputs, targets = batch
+    logits = model(inputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def mlp_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
+def workload(name: str, smoke: bool) -> dict[str, Any]:
+    """Model factory, dataset, loss, batch size and precision of one step-time workload."""
+    generator = torch.Generator().manual_seed(1234)
+    if name == "mlp":
+        width, size = (64, 256) if smoke else (2048, 64 * 256)
+        inputs = torch.randn(size, width, generator=generator)
+        dataset = TensorDataset(inputs, torch.randint(0, 10, (size,), generator=generator))
+
+        def model() -> nn.Module:
+            return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                 nn.Linear(width, 10))  # fmt: skip
+
+        return {"model": model, "dataset": dataset, "loss": mlp_loss, "batch": 64, "precision": "fp32"}
+    vocab, length, width, layers, heads, size = (256, 32, 64, 2, 4, 64) if smoke else (8192, 256, 512, 6, 8, 2048)
+    tokens = torch.randint(0, vocab, (size, length + 1), generator=generator)
+    dataset = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return {"model": lambda: GPT(vocab, length, width, layers, heads), "dataset": dataset, "loss": gpt_loss,
+            "batch": 16, "precision": "bf16"}  # fmt: skip
+
+
+# ---- step time: hand loop and runner -------------------------------------------------------------------------------
+
+
+class Ticks:
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.wall = device, []
+
+    def tick(self) -> None:
+        self.wall.append(time.perf_counter())
+
+    def per_step(self) -> float:
+        ticks = self.wall
+        blocks = [(ticks[i + BLOCK] - ticks[i]) / BLOCK for i in range(0, len(ticks) - BLOCK, BLOCK)]
+        return median(blocks) if blocks else (ticks[-1] - ticks[0]) / max(len(ticks) - 1, 1)
+
+
+def hand_loop(spec: dict[str, Any], steps: int, device: torch.device) -> tuple[float, list[torch.Tensor]]:
+    torch.manual_seed(SEED)
+    model = spec["model"]().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    dataset = spec["dataset"]
+    sampler = ResumableSampler(len(dataset), shuffle=True, seed=SEED)
+    loader = StatefulDataLoader(dataset, batch_size=spec["batch"], sampler=sampler, generator=torch.Generator(),
+                                pin_memory=device.type == "cuda")  # fmt: skip
+    autocast = spec["precision"] == "bf16"
+    ticks, step, epoch = Ticks(device), 0, 0
+    model.train()
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            ticks.tick()
+            batch = [tensor.to(device, non_blocking=True) for tensor in batch]
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = spec["loss"](model, batch)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step == steps:
+                break
+        epoch += 1
+    _synchronize(device)
+    return ticks.per_step(), [p.detach().cpu() for p in model.parameters()]
+
+
+class BenchConfig(RunnerConfig):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seed = SEED
+        self.steps = 100
+        self.ckpt.enabled = False
+        self.skip_nonfinite_grad = False  # the hand loop checks nothing either
+        self.deterministic = True
+        self.log.interval = 10**9
+
+
+class StepRunner(Runner):
+    def __init__(self, config: BenchConfig, spec: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.spec = spec
+        self.model = spec["model"]()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.datasets["train"] = spec["dataset"]
+        self.ticks = Ticks(self.device)
+
+    def train_step(self, batch: Any) -> torch.Tensor:
+        self.ticks.tick()
+        return self.spec["loss"](self.model, self.unpack_batch(batch))
+
+
+def runner_loop(spec: dict[str, Any], steps: int, root: Path, device: torch.device) -> tuple[float, list]:
+    config = BenchConfig()
+    config.steps, config.precision = steps, spec["precision"]
+    config.dataloader.batch_size = spec["batch"]
+    config.dataloader.pin_memory = device.type == "cuda"
+    config.workspace.root = str(root)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):  # its console lines
+        runner = StepRunner(config, spec)
+        runner.train()
+    _synchronize(device)
+    return runner.ticks.per_step(), [p.detach().cpu() for p in runner.unwrap_model().parameters()]
+
+
+def measure_steps(names: list[str], rounds: int, smoke: bool, device: torch.device, scratch: Path) -> dict:
+    results = {}
+    for name in names:
+        spec = workload(name, smoke)
+        steps = 30 if smoke else (300 if name == "mlp" else 150)
+        hand_loop(spec, BLOCK * 2, device)  # warm-up: kernels, allocator, lazy imports
+        ratios, hand_times, runner_times, same = [], [], [], True
+        for index in range(rounds):
+            order = ("hand", "runner") if index % 2 == 0 else ("runner", "hand")
+            timed = {}
+            for side in order:
+                if side == "hand":
+                    timed[side] = hand_loop(spec, steps, device)
+                else:
+                    timed[side] = runner_loop(spec, steps, scratch / f"{name}-{index}", device)
+            (hand, hand_params), (run, run_params) = timed["hand"], timed["runner"]
+            ratios.append(run / hand)
+            hand_times.append(hand)
+            runner_times.append(run)
+            same = same and all(torch.equal(a, b) for a, b in zip(hand_params, run_params))
+        results[name] = {
+            "hand_ms_per_step": median(hand_times) * 1e3,
+            "runner_ms_per_step": median(runner_times) * 1e3,
+            "ratio": median(ratios),
+            "ratios": ratios,
+            "same_params_as_hand": same,
+            "steps": steps,
+            "precision": spec["precision"],
+        }
+        print(f"{name}: runner / hand {median(ratios):.3f} (same params: {same})", flush=True)
+    return results
+
+
+# ---- stall: one mode per process ------------------------------------------------------------------------------------
+
+
+class StallRunner(Runner):
+    def __init__(self, config: RunnerConfig, smoke: bool) -> None:
+        super().__init__(config)
+        vocab, length, width, layers, heads = (256, 32, 64, 2, 4) if smoke else (32768, 256, 1280, 20, 20)
+        self.model = GPT(vocab, length, width, layers, heads)
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (64, length + 1), generator=generator)
+        self.datasets["train"] = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        self.ticks: list[float] = []
+        self.loop_end: float | None = None
+
+    def train_step(self, batch: Any) -> torch.Tensor:
+        self.ticks.append(time.perf_counter())
+        return gpt_loss(self.model, self.unpack_batch(batch))
+
+    def save_checkpoint(self, reason: str) -> Path | None:
+        if reason == "final" and self.loop_end is None:
+            _synchronize(self.device)
+            self.loop_end = time.perf_counter()
+        return super().save_checkpoint(reason)
+
+
+def stall_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    configure_determinism(False)
+    config = RunnerConfig()
+    config.steps = args.stall_steps
+    config.precision = "bf16"
+    config.dataloader.batch_size = 4 if args.smoke else 8
+    config.dataloader.pin_memory = torch.cuda.is_available()
+    config.ckpt.enabled = mode != "none"
+    config.ckpt.async_mode = "disabled" if mode == "none" else mode
+    config.ckpt.interval = args.interval
+    config.ckpt.keep_latest_k = 1
+    config.log.interval = 10**9
+    config.workspace.root = str(root)
+    config.workspace.id = mode
+    runner = StallRunner(config, args.smoke)
+    parameters = sum(p.numel() for p in runner.model.parameters())
+    runner.train()
+    ticks = runner.ticks
+    steps_between = [later - earlier for earlier, later in zip(ticks, ticks[1:])]
+    saves_in_loop = 0 if mode == "none" else (args.stall_steps - 1) // args.interval
+    return {
+        "mode": mode,
+        "loop_s": runner.loop_end - ticks[0],
+        "saves_in_loop": saves_in_loop,
+        "median_step_s": median(steps_between),
+        "parameters": parameters,
+        "state_gb": parameters * 4 * 3 / 1e9,
+    }
+
+
+def measure_stall(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    results = {}
+    for mode in STALL_MODES:
+        command = [sys.executable, __file__, "--stall-mode", mode, "--root", str(scratch / mode),
+                   "--stall-steps", str(args.stall_steps), "--interval", str(args.interval),
+                   "--device", args.device] + (["--smoke"] if args.smoke else [])  # fmt: skip
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        results[mode] = json.loads(output.strip().splitlines()[-1])
+        shutil.rmtree(scratch / mode, ignore_errors=True)  # ~5 GB per checkpoint of the full-size model
+        print(f"stall {mode}: loop {results[mode]['loop_s']:.1f}s", flush=True)
+    baseline = results["none"]
+    for mode in STALL_MODES[1:]:
+        r = results[mode]
+        r["stall_per_save_s"] = (r["loop_s"] - baseline["loop_s"]) / max(r["saves_in_loop"], 1)
+        r["step_time_over_none"] = r["median_step_s"] / baseline["median_step_s"]
+    return results
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stall-steps", type=int, default=51, help="steps of each stall run")
+    parser.add_argument("--interval", type=int, default=10, help="steps between saves in the stall runs")
+    parser.add_argument("--skip-steps", action="store_true", help="skip the step-time comparison")
+    parser.add_argument("--skip-stall", action="store_true", help="skip the async-stall comparison")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the code paths, measure nothing")
+    parser.add_argument("--stall-mode", choices=STALL_MODES, help=argparse.SUPPRESS)  # internal: one stall run
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.stall_mode:
+        print(json.dumps(stall_mode(args.stall_mode, args, Path(args.root))))
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu: skipped, no CUDA device (torch.cuda.is_available() is False); see benchmarks/README.md")
+        write_results(NAME, {"skipped": "no CUDA device"}, {"skipped": "no CUDA device"}, [])
+        return 0
+    if args.device == "cpu" and not args.smoke:
+        parser.error("--device cpu only checks the code paths: add --smoke")
+    device = torch.device(args.device)
+    configure_determinism(True)  # both sides of the step-time comparison compute the same bits
+    RESULTS_DIR.mkdir(exist_ok=True)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    targets = []
+    with tempfile.TemporaryDirectory(dir=RESULTS_DIR) as scratch:
+        if not args.skip_steps:
+            results["steps"] = measure_steps(["mlp", "gpt"], args.rounds, args.smoke, device, Path(scratch))
+            rows = [[name, r["precision"], r["hand_ms_per_step"], r["runner_ms_per_step"], r["ratio"],
+                     "yes" if r["same_params_as_hand"] else "NO"] for name, r in results["steps"].items()]  # fmt: skip
+            print(format_table(["model", "precision", "hand ms/step", "runner ms/step", "ratio", "same params"], rows))
+            for name, r in results["steps"].items():
+                targets.append(target(f"runner / hand loop time per step, {name}", r["ratio"], "<=", 1.02))
+        if not args.skip_stall:
+            results["stall"] = stall = measure_stall(args, Path(scratch))
+            sync = stall["disabled"]["stall_per_save_s"]
+            rows = [[mode, r["saves_in_loop"], r["loop_s"], r.get("stall_per_save_s", ""),
+                     r.get("stall_per_save_s", math.nan) / sync if mode not in ("none", "disabled") else "",
+                     r.get("step_time_over_none", "")] for mode, r in stall.items()]  # fmt: skip
+            print(f"stall model: {stall['none']['parameters'] / 1e6:.0f}M parameters, "
+                  f"{stall['none']['state_gb']:.1f} GB of parameters + AdamW state")  # fmt: skip
+            print(format_table(["mode", "saves", "loop s", "stall/save s", "x sync", "step time / none"], rows))
+            for mode in ("thread", "process"):
+                ratio = stall[mode]["stall_per_save_s"] / sync
+                targets.append(target(f"async {mode} stall / sync save stall", ratio, "<=", TARGET_STALL_RATIO))
+    print(format_targets(targets))
+    config = {"rounds": args.rounds, "stall_steps": args.stall_steps, "interval": args.interval,
+              "device": args.device, "smoke": args.smoke, "deterministic": True}  # fmt: skip
+    if args.smoke:
+        print("smoke run: code paths checked, nothing measured (results not written)")
+        return 0
+    print(f"results: {write_results(NAME, config, results, targets)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Staging: which host buffer a snapshot copies a tensor into, and how a GPU tensor gets there without a stall.
+
+A GPU tensor is copied into a pinned (page-locked) host buffer with `non_blocking=True`, on a dedicated CUDA stream
+that first waits for the training stream; an event recorded behind the copies is what the training stream waits on
+(on the device: the host goes on) before anything changes the tensor. Pinned memory is scarce and slow to allocate, so
+the buffers are pooled and reused by the next snapshot (`BufferPool` in snapshot.py). When pinning fails, the policy
+falls back to pageable buffers, copied by the snapshot's background thread, and says so once. For a writer process
+the buffers are shared memory (pinned by registering their pages with CUDA), so that process reads the very bytes the
+copies wrote, with no copy in between. CPU tensors always get pageable (or shared) buffers.
+
+Everything CUDA-specific sits behind two seams a test can replace: `allocate_pinned` (which may fail) and `copies`
+(the engine that starts device-to-host copies and returns a fence).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger("perdure")
+
+CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (host buffer, source tensor)
+
+
+class CopyFence(Protocol):
+    """Copies in flight, started by a `DeviceCopies` engine."""
+
+    def order_before_mutation(self) -> None:
+        """Make whatever the training loop runs from now on wait for the copies (on the device where it can)."""
+
+    def wait(self) -> None:
+        """Block this thread until the copies are complete; the host buffers may be read afterwards."""
+
+    def done(self) -> bool:
+        """Whether the copies are complete (never blocks)."""
+
+
+class DeviceCopies(Protocol):
+    def start(self, pairs: CopyPairs) -> CopyFence:
+        """Start copying each source (all on one device) into its pinned host buffer, after the work the training
+        stream has queued so far; returns at once."""
+
+
+def allocate_pinned(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """A page-locked host buffer; in shared memory, pinned by registering its pages with CUDA, when `shared`.
+
+    Raises when CUDA cannot pin it (no CUDA, the pinned-memory limit reached, ...).
+    """
+    if not shared:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    buffer = torch.empty(shape, dtype=dtype).share_memory_()
+    # cudaHostRegisterPortable (1): pinned for every CUDA context, as DCP's own shared staging registers it.
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 1))
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of a shared buffer of {list(shape)} failed with cudaError {error}")
+    weakref.finalize(buffer, _unpin, buffer.data_ptr())
+    return buffer
+
+
+def _unpin(data_ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(data_ptr)
+    except Exception:  # at interpreter exit CUDA may be gone already; the pages go with the process
+        pass
+
+
+class CudaFence:
+    """An event recorded behind copies on the staging stream; holds the sources until the copies are seen complete,
+    so the caching allocator cannot hand their memory to the loop while the staging stream still reads it."""
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device, sources: list[torch.Tensor]) -> None:
+        self.event, self.device, self._sources = event, device, sources
+
+    def order_before_mutation(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def wait(self) -> None:
+        self.event.synchronize()
+        self._sources = []
+
+    def done(self) -> bool:
+        if self.event.query():
+            self._sources = []
+            return True
+        return False
+
+
+class CudaCopies:
+    """Device-to-host copies on one dedicated stream per device, each batch behind the training stream's queued work."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def start(self, pairs: CopyPairs) -> CudaFence:
+        device = pairs[0][1].device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for target, source in pairs:
+                target.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return CudaFence(event, device, [source for _, source in pairs])
+
+
+def is_cuda(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cuda"
+
+
+@dataclass
+class Staging:
+    """The policy of one buffer pool: shared memory or not, pinned buffers for device tensors or not, and how.
+
+    `shared`: buffers live in shared memory (a writer process reads them without another copy). `pin`: device
+    tensors get pinned buffers and asynchronous copies; it turns False for good after the first failure to pin.
+    """
+
+    shared: bool = False
+    pin: bool = True
+    allocate_pinned: Callable[[tuple[int, ...], torch.dtype, bool], torch.Tensor] = allocate_pinned
+    on_device: Callable[[torch.Tensor], bool] = is_cuda
+    copies_factory: Callable[[], DeviceCopies] = CudaCopies
+    pin_failure: str | None = None
+    _copies: DeviceCopies | None = field(default=None, repr=False)
+
+    def wants_pinned(self, source: torch.Tensor) -> bool:
+        """Whether a buffer for `source` should be pinned: a device tensor with data, while pinning works."""
+        return self.pin and source.numel() > 0 and self.on_device(source)
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> tuple[torch.Tensor, bool]:
+        """A new buffer and whether it is pinned: pinned when asked and possible, else pageable (shared if so set)."""
+        if pinned and self.pin:
+            try:
+                return self.allocate_pinned(shape, dtype, self.shared), True
+            except Exception as error:  # out of pinned memory, a CUDA error, ...
+                self.pin = False
+                self.pin_failure = f"{type(error).__name__}: {error}"
+                logger.warning(
+                    "pinning a %s host buffer of %s failed (%s): snapshots of GPU tensors use pageable buffers from "
+                    "now on, copied by a background thread, so an async save stalls training longer",
+                    "shared" if self.shared else "private",
+                    list(shape),
+                    self.pin_failure,
+                )
+        buffer = torch.empty(shape, dtype=dtype, device="cpu")
+        return (buffer.share_memory_() if self.shared else buffer), False
+
+    def start_copies(self, now: CopyPairs, later: CopyPairs) -> tuple[list[CopyFence], list[CopyFence]]:
+        """Start the copies into pinned buffers, per device: `now` first, ordered at once before anything the loop
+        runs next (buffers the forward changes), then `later` (tensors only the optimizer step changes), whose fences
+        the caller orders before that step. Returns (the `now` fences, the `later` fences)."""
+        if not now and not later:
+            return [], []
+        if self._copies is None:
+            self._copies = self.copies_factory()
+        fences: tuple[list[CopyFence], list[CopyFence]] = ([], [])
+        for group, fenced in zip((now, later), fences):
+            by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            for target, source in group:
+                by_device.setdefault(source.device, []).append((target, source))
+            for pairs in by_device.values():
+                fenced.append(self._copies.start(pairs))
+        for fence in fences[0]:
+            fence.order_before_mutation()
+        return fences

@@ -1,0 +1,118 @@
+"""The CUDA path (issue 9), on one GPU: kill -9 + rerun is bit-exact in fp32, bf16 and fp16 with a GradScaler, with
+sync, thread and process saves and EMA, the losses a checkpoint carries included (they crashed the first log line
+after a resume); GPU snapshots go through pinned buffers on a side stream. Skipped where CUDA is not available."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from perdure.checkpoints.snapshot import BufferPool, Snapshot
+from perdure.checkpoints.staging import Staging
+from perdure.loggers.metrics_csv import read_metrics_csv
+from perdure.runners.ema import ExponentialMovingAverage
+from tests.runs import assert_ok, assert_same_weights, final_weights, read_losses, run, run_dir, run_until_killed
+from tests.scripts.resumable import ResumableRunner, make_config
+
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (torch.cuda.is_available() is False): these tests check the GPU path",
+    ),
+    pytest.mark.timeout(400),
+]
+
+# Saves every 5 steps, logs every 4: the checkpoint of step 10 carries the losses of steps 9 and 10.
+ARGS = ("--steps", "30", "--width", "256", "--depth", "2", "--ckpt.interval", "5", "--log.interval", "4")
+ARGS += ("--ema.enabled", "true", "--deterministic", "true")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run of each precision, made on first use."""
+    roots = {}
+
+    def get(precision: str):
+        if precision not in roots:
+            root = tmp_path_factory.mktemp(f"reference-{precision}")
+            assert_ok(run("resumable.py", root, *ARGS, "--precision", precision, LOSS_LOG=root / "losses.jsonl"))
+            roots[precision] = root
+        return roots[precision]
+
+    return get
+
+
+def train_losses(root):
+    rows = read_metrics_csv(run_dir(root) / "metrics.csv")
+    return [(step, value) for step, split, name, value in rows if split == "train" and name == "loss"]
+
+
+@pytest.mark.parametrize("mode", ["disabled", "thread", "process"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_sigkill_and_rerun_is_bit_exact_on_cuda(reference, tmp_path, precision, mode):
+    expected_root = reference(precision)
+    args = (*ARGS, "--precision", precision, "--ckpt.async_mode", mode)
+    root = tmp_path / "run"
+    after_save = "*/*/checkpoints/ckpt-s000000000010/manifest.json"
+    sleep = "0.1" if mode == "process" else "0.04"  # the writer process needs ~2 s to start
+    killed = run_until_killed("resumable.py", root, *args, when_exists=after_save, STEP_SLEEP=sleep)
+    assert killed.returncode == -9
+    rerun = run("resumable.py", root, *args, LOSS_LOG=tmp_path / "rerun.jsonl")
+    assert_ok(rerun)
+    assert "resuming from" in rerun.stdout
+    expected, resumed = read_losses(expected_root / "losses.jsonl"), read_losses(tmp_path / "rerun.jsonl")
+    assert resumed and min(resumed) > (0, 0, 0)
+    for position, loss in resumed.items():
+        assert expected[position] == loss, f"loss at {position} differs after the resume"
+    assert train_losses(root) == train_losses(expected_root)  # the log lines averaging carried losses included
+    assert_same_weights(final_weights(expected_root), final_weights(root))
+    assert_same_weights(final_weights(expected_root, "model-ema.pth"), final_weights(root, "model-ema.pth"))
+
+
+def test_gpu_snapshots_use_pinned_buffers_and_order_the_step_on_the_device():
+    param, statistics = torch.randn(1024, 1024, device="cuda"), torch.randn(64, device="cuda")
+    before = param.clone()
+    pool = BufferPool()
+    snapshot = Snapshot({"param": param, "stats": statistics}, {}, deferred=[param], pool=pool)
+    assert all(buffer.is_pinned() for buffer in snapshot.buffers)
+    snapshot.fence()
+    param.add_(1.0)  # the optimizer step, queued after the copy by the fence
+    snapshot.wait()
+    assert torch.equal(snapshot.replicated["param"], before.cpu())
+    assert torch.equal(snapshot.replicated["stats"], statistics.cpu())
+    pool.give_back(snapshot.buffers)
+    again = Snapshot({"param": param, "stats": statistics}, {}, deferred=[param], pool=pool)
+    assert again.replicated["param"] is snapshot.replicated["param"]  # the pinned buffer is reused
+    again.wait()
+    assert torch.equal(again.replicated["param"], param.cpu())
+
+
+def test_buffers_for_a_writer_process_are_shared_and_pinned():
+    buffer, pinned = BufferPool(shared_memory=True).take(torch.ones(4096, device="cuda"))
+    assert pinned and buffer.is_shared() and buffer.is_pinned()
+
+
+def test_a_pinning_failure_falls_back_to_pageable_copies(caplog):
+    def refuse(shape, dtype, shared):
+        raise RuntimeError("out of pinned memory (injected)")
+
+    param = torch.randn(256, device="cuda")
+    staging = Staging(allocate_pinned=refuse)
+    snapshot = Snapshot({"param": param}, {}, deferred=[param], pool=BufferPool(staging=staging))
+    snapshot.fence()
+    snapshot.wait()
+    assert not snapshot.buffers[0].is_pinned() and torch.equal(snapshot.replicated["param"], param.cpu())
+    assert "pinning" in caplog.text and staging.pin is False
+
+
+class UserEMARunner(ResumableRunner):
+    def __init__(self, config):
+        super().__init__(config)
+        self.ema = ExponentialMovingAverage(self.model, 0.9)  # built before the runner moves the model
+
+
+def test_an_ema_built_in_init_follows_the_model_to_the_gpu(tmp_path):
+    runner = UserEMARunner(make_config(tmp_path, steps=4))
+    assert {tensor.device.type for tensor in runner.ema.shadow.values()} == {"cuda"}
+    runner.train()
+    assert runner.global_step == 4
