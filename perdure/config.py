@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -342,6 +343,8 @@ class RunnerConfig(chanfig.Config):
         for key in ("workspace.root", "workspace.lineage", "workspace.id"):
             if get(key) is not None and not isinstance(get(key), (str, os.PathLike)):
                 raise ConfigError(key, get(key), "use a string or None")
+        for key in ("workspace.lineage", "workspace.id"):
+            check_path_component(key, get(key))
         tags = get("workspace.tags")
         if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
@@ -455,8 +458,36 @@ def _check_number(key: str, value: Any, wanted: str, ok: Any, optional: bool = F
 def _check_path(key: str, value: Any) -> None:
     if value is None:
         return
-    if not isinstance(value, (str, os.PathLike)) or not Path(value).expanduser().exists():
+    try:
+        exists = isinstance(value, (str, os.PathLike)) and Path(value).expanduser().exists()
+    except (OSError, ValueError) as error:  # a NUL byte, a name longer than the filesystem allows, ...
+        raise ConfigError(key, value, f"not a usable path ({error}); pass an existing path or drop --{key}") from None
+    if not exists:
         raise ConfigError(key, value, f"no such file or directory; pass an existing path or drop --{key}")
+
+
+MAX_NAME_BYTES = 128  # a run id or lineage; with the code id the group folder stays far below NAME_MAX (255)
+_UNSAFE_NAME = re.compile(r"[\x00-\x1f\x7f-\x9f/\\]")
+
+
+def check_path_component(key: str, value: Any) -> None:
+    """`value` (None, or a name that becomes one directory of the run's path: `workspace.id`, `workspace.lineage`)
+    must be a single path component: no separator, not `.` / `..`, no NUL or control character, at most
+    `MAX_NAME_BYTES` bytes. Raises `ConfigError` naming the key."""
+    if value is None:
+        return
+    name = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(name, str) or not name:
+        raise ConfigError(key, value, "use a non-empty name (one directory name), or None for the default")
+    if name in (".", "..") or _UNSAFE_NAME.search(name):
+        raise ConfigError(
+            key,
+            value,
+            "use a single directory name: no '/', '\\', '.' or '..', NUL or control characters (it names a folder "
+            "under workspace.root; to put runs elsewhere set --workspace.root)",
+        )
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise ConfigError(key, f"{name[:40]}... ({len(name)} characters)", f"use at most {MAX_NAME_BYTES} bytes")
 
 
 def _check_loader(prefix: str, options: Mapping[str, Any], required: bool) -> None:

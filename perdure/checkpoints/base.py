@@ -30,6 +30,7 @@ from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, r
 from perdure.checkpoints.snapshot import Snapshot, available_memory, snapshot_nbytes
 from perdure.distributed.collectives import all_ranks
 from perdure.errors import CheckpointError, PerdureError
+from perdure.safe_io import refuse_symlinked_dir, safe_name
 
 logger = logging.getLogger("perdure")
 
@@ -112,6 +113,7 @@ class CheckpointManager(ABC):
 
     def resolve(self) -> CheckpointInfo | None:
         """The newest checkpoint of this run that verifies, quarantining bad ones (only when writes are allowed)."""
+        refuse_symlinked_dir(self.root)  # resolving repairs (quarantines, rewrites pointers): never through a symlink
         if not self.root.is_dir():
             return None
         info = resolve_latest(self.root, repair=self.policy.enabled and self.rank == 0)
@@ -283,11 +285,22 @@ class CheckpointManager(ABC):
         if backend == self.backend:
             return self
         try:
-            cls = backend_class(backend)
+            cls = backend_class(backend) if isinstance(backend, str) else None
         except PerdureError:
+            cls = None
+        if cls is None:
             raise CheckpointError(
-                f"checkpoint {info.path} was written by backend {backend!r}, which this version of perdure cannot read"
-            ) from None
+                f"checkpoint {info.path} was written by backend {safe_name(backend)}, which this version of perdure "
+                "cannot read"
+            )
+        logger.warning(
+            "checkpoint %s was written by the %s backend but this run saves with the %s backend: reading it with the "
+            "%s reader (restricted like every reader: no checkpoint can run code)",
+            info.path,
+            backend,
+            self.backend,
+            backend,
+        )
         return cls(
             self.root,
             self.policy,

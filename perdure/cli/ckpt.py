@@ -34,7 +34,6 @@ from perdure.checkpoints.commit import (
     read_pointer,
     verify_checkpoint,
 )
-from perdure.checkpoints.file import REPLICATED_FILE
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
@@ -370,11 +369,10 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
             raise CheckpointError(f"{path} is a weights file; --ema needs a checkpoint (it holds both weight sets)")
         return read_weights(path), str(path)
     info: CheckpointInfo = resolve_path(path)
-    if not (info.path / REPLICATED_FILE).is_file():
-        backend = info.manifest.get("backend", "unknown")
+    backend = info.manifest.get("backend", "file")
+    if backend not in ("file", "dcp"):
         raise CheckpointError(
-            f"checkpoint {info.path} (backend {backend}) has no {REPLICATED_FILE}; export reads file-backend "
-            "checkpoints"
+            f"checkpoint {info.path} was written by backend {safe_name(backend)}; export reads file and dcp checkpoints"
         )
     where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
     return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})" if where else str(info.path)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perdure.config import RunnerConfig
+from perdure.config import RunnerConfig, check_path_component
+from perdure.safe_io import UnsafeFileError, check_inside, ensure_dir
 from perdure.workspace.identity import code_id as current_code_id
 from perdure.workspace.identity import config_id as compute_config_id
 
@@ -40,8 +41,9 @@ class RunDir:
         return self.path / "metadata"
 
     def create(self) -> None:
+        """Create the run's directories; a symlink where one belongs is refused (`UnsafeFileError`), never followed."""
         for directory in (self.path, self.checkpoints, self.logs, self.metadata):
-            directory.mkdir(parents=True, exist_ok=True)
+            ensure_dir(directory)
 
 
 def workspace_root(config: Mapping[str, Any] | str | os.PathLike | None = None) -> Path:
@@ -83,10 +85,22 @@ def default_lineage(runner_class_name: str) -> str:
 def resolve_run_dir(config, runner_class_name: str) -> RunDir:
     """Name the run directory from the config's identity and the code's. Creates nothing."""
     workspace = config.get("workspace") or {}
+    for key in ("lineage", "id"):  # a stored config (from_checkpoint) reaches here before check()
+        check_path_component(f"workspace.{key}", workspace.get(key))
     root = workspace_root(config)
     lineage = workspace.get("lineage") or default_lineage(runner_class_name)
     code = current_code_id()
     cfg = compute_config_id(config)
     run_id = workspace.get("id") or (f"{code}-{cfg}" if code else cfg)
     group = f"{lineage}-{code}" if code else lineage
-    return RunDir(path=root / group / run_id, lineage=lineage, code_id=code, config_id=cfg, run_id=run_id)
+    path = check_under_root(root / group / run_id, root)
+    return RunDir(path=path, lineage=lineage, code_id=code, config_id=cfg, run_id=run_id)
+
+
+def check_under_root(path: Path, root: Path) -> Path:
+    """`path` (a run directory) if it is two single-name levels under `root` and, with symlinks resolved, inside it;
+    else `UnsafeFileError` saying where it would have gone. Everything a workspace writes stays under its root."""
+    relative = path.relative_to(root) if path.is_relative_to(root) else None
+    if relative is None or len(relative.parts) != 2 or any(part in ("", ".", "..") for part in relative.parts):
+        raise UnsafeFileError(path, f"is not a run directory under the workspace root {root}")
+    return check_inside(path, root, what="a run directory, through a symlink")
