@@ -7,9 +7,9 @@ bomb, a run id full of terminal escapes. The helpers here are what the rest of p
 - reading: `read_regular` opens regular files only (never a FIFO, device or socket, so nothing hangs), without
   following a symlink unless the user named the file, and with a size bound; `read_json` / `loads_json` add a
   nesting bound; `load_yaml` bounds size, nesting and alias expansion (`yaml.safe_load` semantics otherwise);
-- writing: `ensure_dir` creates directories and refuses a symlink where a directory belongs; `create_new` creates a
-  file with `O_EXCL | O_NOFOLLOW`; `open_append` appends without following a symlink; `move_aside` renames an
-  unexpected symlink (the link, never its target) out of the way;
+- writing: `ensure_dir` creates directories and refuses a symlink where a directory belongs; `create_new` creates
+  a file with `O_EXCL | O_NOFOLLOW`; `open_writable` opens for writing without following a symlink; `move_aside`
+  renames an unexpected symlink (the link, never its target) out of the way;
 - output: `escape_terminal` / `safe_name` make any on-disk text inert on a terminal; `csv_text` neutralises
   spreadsheet formulas.
 """
@@ -83,6 +83,18 @@ def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False) -> i
         os.close(fd)
         raise UnsafeFileError(path, f"is {kind_of(info.st_mode)}, not a regular file; perdure reads regular files only")
     return fd
+
+
+def is_regular_or_missing(path: str | os.PathLike) -> bool:
+    """True if `path` is a regular file (not a symlink to one), False if nothing is there; `UnsafeFileError` when
+    something else is (a symlink, a FIFO, a directory, ...)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafeFileError(path, f"is {kind_of(info.st_mode)}, not a regular file")
+    return True
 
 
 def read_regular(path: str | os.PathLike, limit: int, *, follow_symlinks: bool = False) -> bytes:
@@ -270,10 +282,12 @@ def replace_with_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = 
         raise
 
 
-def open_append(path: str | os.PathLike, mode: int = 0o644) -> int:
-    """A descriptor appending to the regular file `path` (created if missing), never through a symlink."""
+def open_writable(path: str | os.PathLike, *, append: bool = False, mode: int = 0o644) -> int:
+    """A write descriptor (appending with `append`) of the regular file `path`, created if missing, never through a
+    symlink and never a FIFO or device (`UnsafeFileError`)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_APPEND if append else 0)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+        fd = os.open(path, flags, mode)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise UnsafeFileError(path, "is a symlink; perdure never writes through a symlink in a run") from None
@@ -313,8 +327,9 @@ def _link_target(path: Path) -> str:
 
 # ---------------------------------------------------------------------- output
 
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-_CONTROL_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_BIDI_AND_SEPARATORS = "\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI_AND_SEPARATORS}]")
+_CONTROL_BUT_NEWLINE = re.compile(f"[\x00-\x09\x0b-\x1f\x7f-\x9f{_BIDI_AND_SEPARATORS}]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 

@@ -38,6 +38,7 @@ from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, r
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
 from perdure.runners.export import EXPORT_DTYPES, export_weights, read_weights
+from perdure.safe_io import safe_name
 
 EXPORT_SUFFIXES = (".pth", ".safetensors")
 RUN_DIR_MARKERS = ("checkpoints", "metadata", "run.lock")  # what a run dir holds (checkpoints/ may not exist yet)
@@ -372,7 +373,8 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
     backend = info.manifest.get("backend", "file")
     if backend not in ("file", "dcp"):
         raise CheckpointError(
-            f"checkpoint {info.path} was written by backend {safe_name(backend)}; export reads file and dcp checkpoints"
+            f"checkpoint {info.path} was written by backend {safe_name(backend)}; export reads file and dcp "
+            "checkpoints"
         )
     where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
     return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})" if where else str(info.path)

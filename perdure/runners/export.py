@@ -61,7 +61,8 @@ def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     else:
         weights = state["model"]
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise CheckpointError(f"{info.path / REPLICATED_FILE} holds no state dict of tensors under {'ema' if ema else 'model'}")
+        what = "EMA weights" if ema else "model weights"
+        raise CheckpointError(f"{info.path / REPLICATED_FILE} holds no state dict of tensors as its {what}")
     return weights
 
 
