@@ -361,3 +361,8 @@ _FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n", "\uff1d", "\uff0b", "\uf
 def csv_text(value: str) -> str:
     """A string cell that no spreadsheet reads as a formula: a leading `= + - @`, tab or line break gets a `'`."""
     return "'" + value if value.startswith(_FORMULA_START) else value
+
+
+def echo(*parts: Any, file: Any = None) -> None:
+    """`print` for text that holds values read from disk: every control character but the newline is escaped."""
+    print(escape_terminal(" ".join(str(part) for part in parts), keep_newlines=True), file=file)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -27,14 +26,14 @@ from perdure.checkpoints.commit import (
 )
 from perdure.checkpoints.gather import gather_records, publish_records
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_latest
+from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.checkpoints.snapshot import Snapshot, available_memory, snapshot_nbytes
 from perdure.distributed.collectives import all_ranks
 from perdure.errors import CheckpointError, PerdureError
-from perdure.safe_io import refuse_symlinked_dir, safe_name
+from perdure.safe_io import ensure_dir, refuse_symlinked_dir, safe_name
 
 logger = logging.getLogger("perdure")
 
-PRUNE_PREFIX = ".prune-"
 # An async snapshot may use at most this share of the host memory still available; otherwise the save is synchronous.
 MEMORY_HEADROOM = 0.8
 
@@ -233,8 +232,7 @@ class CheckpointManager(ABC):
         if self.world_size == 1:
             return make_staging_dir(self.root, name)
         staging = self.root / f"{STAGING_PREFIX}{name}-{self.token}-{sequence}"
-        staging.mkdir(parents=True, exist_ok=True)
-        return staging
+        return ensure_dir(staging)  # every rank creates it; a symlink planted under its name is refused
 
     def wait_for_snapshots(self) -> None:
         """Block until async snapshots have copied what the optimizer step is about to change."""
@@ -320,8 +318,12 @@ class CheckpointManager(ABC):
         """
         if not self.policy.enabled or self.rank != 0:
             return []
-        for leftover in self.root.glob(PRUNE_PREFIX + "*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        # Never fails the save that called it (that checkpoint is committed): a problem is a warning.
+        for leftover in leftovers(self.root)[0]:
+            try:
+                remove_leftover(leftover)
+            except OSError as error:
+                logger.warning("could not remove %s, left by an interrupted prune: %s", leftover, error)
         keep = self.policy.keep_latest_k
         if keep <= 0:
             return []
@@ -331,9 +333,11 @@ class CheckpointManager(ABC):
         for path in committed_checkpoints(self.root)[keep:]:
             if path.name in protected:
                 continue
-            aside = self.root / f"{PRUNE_PREFIX}{path.name}"
-            os.rename(path, aside)
-            shutil.rmtree(aside)
+            try:
+                retire(path)
+            except OSError as error:
+                logger.warning("ckpt.keep_latest_k: could not remove %s (%s); every checkpoint is intact", path, error)
+                continue
             removed.append(path)
         return removed
 

@@ -265,8 +265,7 @@ def _open_lock_file(path: Path) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except IsADirectoryError:
         raise PerdureError(
-            f"{path} is a directory, not perdure's lock file; move it away (nothing in it is perdure's) and start "
-            "again"
+            f"{path} is a directory, not perdure's lock file; move it away (nothing in it is perdure's) and start again"
         ) from None
     except OSError as error:
         if error.errno == errno.ELOOP:
