@@ -8,7 +8,6 @@ before anything is written.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -23,6 +22,7 @@ from typing_extensions import Self
 from perdure import config_text
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
+from perdure.safe_io import MAX_YAML_BYTES, UnsafeFileError, escape_terminal, load_yaml, loads_json, read_regular
 
 STACKS = ("torch", "parallel", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -215,7 +215,7 @@ class RunnerConfig(chanfig.Config):
         except PerdureError as error:
             if not exit_on_error:
                 raise
-            print(f"error: {error}", file=sys.stderr)
+            print(f"error: {escape_terminal(error, keep_newlines=True)}", file=sys.stderr)
             raise SystemExit(2) from None
 
     def _cli_layer(self, overrides: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -227,14 +227,7 @@ class RunnerConfig(chanfig.Config):
         return layer
 
     def _file_layer(self, file: str) -> dict[str, Any]:
-        path = Path(file).expanduser()
-        if not path.is_file():
-            raise ConfigError("config", file, "no such file; pass an existing .yaml or .json file to --config")
-        try:
-            with path.open() as stream:
-                data = json.load(stream) if path.suffix == ".json" else yaml.safe_load(stream)
-        except (OSError, ValueError, yaml.YAMLError) as error:
-            raise ConfigError("config", file, f"cannot be read ({error}); fix the file's syntax") from None
+        data = read_config_file(file)
         if data is None:
             return {}
         if not isinstance(data, Mapping):
@@ -410,6 +403,25 @@ def _lookup(mapping: Mapping[str, Any], key: str) -> Any:
     return value
 
 
+def read_config_file(file: str | os.PathLike, key: str = "config") -> Any:
+    """The data of a YAML or JSON config file, which may come from someone else: a regular file (never a FIFO or a
+    device; a symlink the user named is fine), at most `MAX_YAML_BYTES`, nested and alias-expanded within bounds
+    (`safe_io.load_yaml`, `safe_io.loads_json`). Raises `ConfigError` naming `key` and the file."""
+    path = Path(file).expanduser()
+    try:
+        if not path.is_file():
+            raise ConfigError(key, str(file), "no such file; pass an existing .yaml or .json file to --config")
+        raw = read_regular(path, MAX_YAML_BYTES, follow_symlinks=True)
+    except UnsafeFileError as error:
+        raise ConfigError(key, str(file), f"cannot be read: {error.reason}") from None
+    except (OSError, ValueError) as error:  # unreadable, a NUL byte or an over-long name
+        raise ConfigError(key, str(file), f"cannot be read ({error})") from None
+    try:
+        return loads_json(raw) if path.suffix == ".json" else load_yaml(raw)
+    except (ValueError, yaml.YAMLError) as error:
+        raise ConfigError(key, str(file), f"cannot be read ({error}); fix the file") from None
+
+
 def install_excepthook() -> None:
     """Print an uncaught `PerdureError` as one line `error: <message>` (no traceback). Idempotent."""
     if getattr(sys.excepthook, "_perdure", False):
@@ -418,7 +430,7 @@ def install_excepthook() -> None:
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         if issubclass(exc_type, PerdureError):
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {escape_terminal(exc, keep_newlines=True)}", file=sys.stderr)
         else:
             previous(exc_type, exc, tb)
 

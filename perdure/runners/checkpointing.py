@@ -19,6 +19,7 @@ from perdure.errors import CheckpointError, CheckpointSaveError
 from perdure.loggers.console import get_logger
 from perdure.runners.export import export_weights, read_weights
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
+from perdure.safe_io import read_yaml
 from perdure.workspace.identity import canonical_config, config_diff
 from perdure.workspace.run_dir import resolve_run_dir
 
@@ -151,8 +152,7 @@ class CheckpointingMixin:
             del self._pretrained_weights
 
     def _check_same_config(self, info: CheckpointInfo) -> None:
-        stored_path = info.path / "config.yaml"
-        stored = yaml.safe_load(stored_path.read_text()) if stored_path.exists() else {}
+        stored = read_stored_config(info.path) if (info.path / "config.yaml").exists() else {}
         theirs, ours = canonical_config(stored), canonical_config(self.config)
         if theirs != ours:
             lines = "\n  ".join(config_diff(theirs, ours, a_label="checkpoint", b_label="current"))
@@ -181,7 +181,7 @@ class CheckpointingMixin:
         `path` may be a run dir, its `checkpoints/` dir, or one checkpoint dir.
         """
         info = resolve_path(Path(path))
-        stored = yaml.safe_load((info.path / "config.yaml").read_text())
+        stored = read_stored_config(info.path)
         config = config_class.from_plain(stored)
         config.checkpoint = str(info.path)
         config.pretrained = None
@@ -204,6 +204,19 @@ class CheckpointingMixin:
         config.pretrained = str(path)
         config.checkpoint = None
         return cls(config)
+
+
+def read_stored_config(checkpoint: Path) -> dict[str, Any]:
+    """The config a checkpoint stores (`config.yaml`), read as a file from someone else: a regular file, bounded in
+    size and alias expansion (`safe_io.read_yaml`), a mapping. CheckpointError otherwise."""
+    path = checkpoint / "config.yaml"
+    try:
+        stored = read_yaml(path)
+    except (OSError, yaml.YAMLError) as error:
+        raise CheckpointError(f"cannot read the config stored in {path}: {error}") from None
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{path} holds no config mapping; it is not a perdure checkpoint's config")
+    return stored
 
 
 class _DataPosition:
