@@ -338,6 +338,7 @@ class RunnerConfig(chanfig.Config):
                 raise ConfigError(key, get(key), "use a string or None")
         for key in ("workspace.lineage", "workspace.id"):
             check_path_component(key, get(key))
+        _check_root(get("workspace.root"))
         tags = get("workspace.tags")
         if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
@@ -480,6 +481,18 @@ def _check_path(key: str, value: Any) -> None:
 
 MAX_NAME_BYTES = 128  # a run id or lineage; with the code id the group folder stays far below NAME_MAX (255)
 _UNSAFE_NAME = re.compile(r"[\x00-\x1f\x7f-\x9f/\\]")
+
+
+def _check_root(value: Any) -> None:
+    """`workspace.root` may be any path the user chooses, but one the filesystem can hold."""
+    if value is None:
+        return
+    text = os.fspath(value)
+    if "\0" in text:
+        raise ConfigError("workspace.root", value, "a path cannot hold a NUL character")
+    if too_long := [part for part in Path(text).parts if len(part.encode("utf-8", "surrogatepass")) > 255]:
+        fix = f"the directory name {too_long[0][:40]!r}... is longer than 255 bytes"
+        raise ConfigError("workspace.root", f"{text[:60]}...", fix)
 
 
 def check_path_component(key: str, value: Any) -> None:

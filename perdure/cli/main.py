@@ -29,6 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PerdureError as error:
         echo(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a path the filesystem refuses (a name too long, permissions, ...): no traceback
+        where = f": {error.filename}" if error.filename else ""
+        echo(f"error: {error.strerror or error}{where}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -118,9 +118,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("latest ckpt", record.latest_checkpoint),
         ("best ckpt", record.best_checkpoint),
     ]
-    echo(
-        table(["", ""], [[key, _EMPTY if value in (None, "") else str(value)] for key, value in fields], header=False)
-    )
+    echo(table(["", ""], [[key, _EMPTY if value in (None, "") else str(value)] for key, value in fields], header=False))
     if record.summary:
         echo("\nmetrics")
         rows = [
