@@ -107,7 +107,10 @@ def _torch_refusal(path: object, error: pickle.UnpicklingError) -> CheckpointErr
     if match is None:  # another refusal of the weights-only unpickler (an opcode, a call): its own sentence
         detail = next((line.strip() for line in str(error).splitlines() if "Unsupported" in line), "")
         detail = safe_name(detail, limit=200) if detail else ""
-    return _refusal(path, match.group(1) if match else None, detail)
+    name = match.group(1) if match else None
+    if name is not None and "." not in name:  # torch strips the module of builtins from its message
+        name = f"builtins.{name}"
+    return _refusal(path, name, detail)
 
 
 def load_torch_bytes(data: IO[bytes], what: object) -> Any:
