@@ -352,7 +352,7 @@ def safe_name(text: Any, limit: int = MAX_NAME_SHOWN) -> str:
     """At most `limit` characters of `text`, escaped and quoted (`'…'` marks a cut): how a hostile name is shown."""
     text = str(text)
     cut = len(text) > limit
-    return repr(escape_terminal(text[:limit]) + ("…" if cut else ""))
+    return "'" + escape_terminal(text[:limit]) + ("…" if cut else "") + "'"
 
 
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n", "\uff1d", "\uff0b", "\uff0d", "\uff20")

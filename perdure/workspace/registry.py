@@ -466,6 +466,8 @@ def _cell(value: Any) -> Any:
         return ""
     if isinstance(value, (list, dict)):
         value = json.dumps(value)
+    if isinstance(value, bool):
+        value = str(value)  # quoted like any text: only numbers stay unquoted
     return csv_text(value) if isinstance(value, str) else value
 
 

@@ -64,6 +64,24 @@ def perdure_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=environment(), capture_output=True, timeout=timeout)
 
 
+def perdure_cli_each(*commands: tuple, timeout: float = 60) -> tuple[list[int], bytes]:
+    """Several `perdure` commands through the real entry point, in one process (one import of torch instead of
+    one per command): their exit codes, and everything they wrote to stdout and stderr."""
+    program = (
+        "import json, sys; from perdure.cli.main import main; "
+        "codes = [main(command) for command in json.loads(sys.argv[1])]; "
+        "sys.stdout.flush(); sys.stderr.write('EXIT-CODES ' + json.dumps(codes))"
+    )
+    argv = json.dumps([[str(part) for part in command] for command in commands])
+    result = subprocess.run(
+        [sys.executable, "-c", program, argv], env=environment(), capture_output=True, timeout=timeout
+    )
+    output = result.stdout + result.stderr
+    assert b"EXIT-CODES " in output, output.decode("utf-8", "replace")
+    output, codes = output.rsplit(b"EXIT-CODES ", 1)
+    return json.loads(codes), output
+
+
 def text(result: subprocess.CompletedProcess) -> str:
     return (result.stdout + result.stderr).decode("utf-8", "replace")
 
