@@ -258,7 +258,7 @@ def read_pointer(root: Path, pointer: str) -> str | None:
     except FileNotFoundError:
         return None
     except UnsafeFileError as exc:
-        return f"<unreadable: {exc.reason}>"
+        return f"<unreadable: {exc.reason.split(';')[0]}>"
     except OSError as exc:
         return f"<unreadable: {exc.strerror or exc}>"
 
