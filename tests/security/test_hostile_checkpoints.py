@@ -31,13 +31,18 @@ def assert_refused(output: str, file: Path | str, global_name: str = "builtins.e
     assert "weights_only=False" not in output and "Traceback" not in output, output
 
 
-def test_resume_never_runs_dcp_metadata(dcp_root, tmp_path):
+@pytest.mark.parametrize(
+    ("poison", "refused"),
+    [(poison_dcp_metadata, "{checkpoint}/.metadata"), (poison_dcp_entry, "entry 'optimizer.param_groups.0.lr'")],
+    ids=["metadata", "non-tensor-entry"],  # DCP's own planner reads non-tensor entries with weights_only=False
+)
+def test_resume_never_runs_dcp_metadata_or_entries(dcp_root, tmp_path, poison, refused):
     checkpoint, marker = latest(run_dir_of(dcp_root)), tmp_path / "PWNED"
-    poison_dcp_metadata(checkpoint, marker)
+    poison(checkpoint, marker)
     result = resume(dcp_root, "--ckpt.backend", "dcp")
     assert not marker.exists()
     assert result.returncode != 0
-    assert_refused(text(result), checkpoint / ".metadata")
+    assert_refused(text(result), refused.format(checkpoint=checkpoint))
 
 
 def test_checkpoint_into_a_file_run_never_runs_dcp_metadata_and_says_which_reader(dcp_root, tmp_path):
@@ -76,16 +81,6 @@ def test_ckpt_export_never_runs_dcp_metadata(dcp_root, tmp_path):
     assert not marker.exists()
     assert result.returncode == 2 and not (tmp_path / "model.safetensors").exists()
     assert_refused(text(result), checkpoint / ".metadata")
-
-
-def test_resume_never_runs_a_dcp_non_tensor_entry(dcp_root, tmp_path):
-    """DCP's own planner reads non-tensor entries with torch.load(weights_only=False): perdure's does not."""
-    checkpoint, marker = latest(run_dir_of(dcp_root)), tmp_path / "PWNED"
-    poison_dcp_entry(checkpoint, marker)
-    result = resume(dcp_root, "--ckpt.backend", "dcp")
-    assert not marker.exists()
-    assert result.returncode != 0
-    assert_refused(text(result), "entry 'optimizer.param_groups.0.lr'")
 
 
 def test_a_blocked_pickle_in_a_file_checkpoint_is_a_clear_error(file_root, tmp_path):
