@@ -30,7 +30,7 @@ from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.checkpoints.snapshot import Snapshot, available_memory, snapshot_nbytes
 from perdure.distributed.collectives import all_ranks
 from perdure.errors import CheckpointError, PerdureError
-from perdure.safe_io import ensure_dir, refuse_symlinked_dir, safe_name
+from perdure.safe_io import ensure_dir, is_symlink, refuse_symlinked_dir, safe_name
 
 logger = logging.getLogger("perdure")
 
@@ -117,7 +117,8 @@ class CheckpointManager(ABC):
             return None
         info = resolve_latest(self.root, repair=self.policy.enabled and self.rank == 0)
         quarantine_dir = self.root / QUARANTINE_DIR
-        self.quarantined = sorted(path.name for path in quarantine_dir.iterdir()) if quarantine_dir.is_dir() else []
+        real = quarantine_dir.is_dir() and not is_symlink(quarantine_dir)
+        self.quarantined = sorted(path.name for path in quarantine_dir.iterdir()) if real else []
         return info
 
     def save(

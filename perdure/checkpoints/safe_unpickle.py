@@ -151,7 +151,12 @@ def read_dcp_metadata(checkpoint: Path, files: dict[str, Any] | None = None) -> 
         raise _refusal(path, error.name) from None
     except Exception as error:  # a malformed pickle of allowed classes: any error of their constructors
         raise CheckpointError(f"DCP metadata {path} is malformed ({type(error).__name__}: {error})") from None
-    _check_metadata(path, metadata, _shard_sizes(Path(checkpoint), files))
+    try:
+        _check_metadata(path, metadata, _shard_sizes(Path(checkpoint), files))
+    except CheckpointError:
+        raise
+    except Exception as error:  # an attribute missing, a size that overflows, ...: malformed all the same
+        raise CheckpointError(f"DCP metadata {path} is malformed ({type(error).__name__}: {error})") from None
     if metadata.storage_meta is None:
         metadata.storage_meta = StorageMeta()
     return metadata
@@ -242,8 +247,7 @@ class RestrictedFileSystemReader(FileSystemReader):
         self.files = files
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:  # per-rank metadata files: perdure's saves never write them
-            raise CheckpointError(f"{self.checkpoint}: per-rank DCP metadata is not supported")
+        # Always the one global `.metadata` (perdure never writes DCP's per-rank metadata files, `rank=`).
         metadata = read_dcp_metadata(self.checkpoint, self.files)
         metadata.storage_meta.load_id = self.load_id
         return metadata

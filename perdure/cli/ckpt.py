@@ -252,7 +252,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     quarantine = root / QUARANTINE_DIR
     entries = (
-        sorted(p for p in quarantine.iterdir() if not p.name.endswith(".REASON.txt")) if quarantine.is_dir() else []
+        sorted(p for p in quarantine.iterdir() if not p.name.endswith(".REASON.txt"))
+        if quarantine.is_dir() and not quarantine.is_symlink()
+        else []
     )
     if entries:
         echo(f"quarantined ({quarantine}; perdure never deletes these):")

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.runs import SCRIPTS
 from tests.security.hostile import copy_root, train_victim
+
+
+@pytest.fixture(autouse=True)
+def as_training_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process runs name their run directory from the code of the training script, as its subprocess runs do."""
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / "resumable.py")])
 
 
 @pytest.fixture(scope="session")

@@ -30,9 +30,14 @@ TINY_ARGS += ("--log.interval", "2")
 
 
 def train_victim(root: Path, **settings) -> Path:
-    """Train the tiny victim run in-process (steps 4, checkpoints at 2 and 4); return its run directory."""
-    runner = ResumableRunner(make_config(root, **{**TINY, **settings}))
-    runner.train()
+    """Train the tiny victim run in-process (steps 4, checkpoints at 2 and 4); return its run directory. Its code
+    identity is that of the training script, so that the script's own processes continue the same run."""
+    argv, sys.argv = sys.argv, [str(SCRIPTS / "resumable.py")]
+    try:
+        runner = ResumableRunner(make_config(root, **{**TINY, **settings}))
+        runner.train()
+    finally:
+        sys.argv = argv
     return runner.run_dir.path
 
 
