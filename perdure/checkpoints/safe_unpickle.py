@@ -89,12 +89,11 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise BlockedGlobalError(f"{module}.{name}")
 
 
-def _refusal(path: object, global_name: str | None, detail: str = "") -> CheckpointError:
-    what = f"the global {global_name}" if global_name else detail or "data outside the allow-list"
+def _refusal(path: object, global_name: str) -> CheckpointError:
     return CheckpointError(
-        f"refused to load {path}: it needs {what}, which is not plain data, tensors or DCP metadata. Unpickling it "
-        "could run code, so perdure never does; a checkpoint from someone else that needs it cannot be loaded "
-        "(ask its author for a checkpoint perdure wrote, or for a model export such as model.pth)."
+        f"refused to load {path}: it needs the global {global_name}, which is not plain data, tensors or DCP "
+        "metadata. Unpickling it could run code, so perdure never does; a checkpoint from someone else that needs it "
+        "cannot be loaded (ask its author for a checkpoint perdure wrote, or for a model export such as model.pth)."
     )
 
 
@@ -103,18 +102,21 @@ _TORCH_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 def _torch_refusal(path: object, error: pickle.UnpicklingError) -> CheckpointError:
     match = _TORCH_GLOBAL.search(str(error))
-    detail = ""
-    if match is None:  # another refusal of the weights-only unpickler (an opcode, a call): its own sentence
+    if match is None:  # not a refused global: the bytes are no pickle torch can read (garbage, truncated, ...)
         detail = next((line.strip() for line in str(error).splitlines() if "Unsupported" in line), "")
-        detail = safe_name(detail, limit=200) if detail else ""
-    name = match.group(1) if match else None
-    if name is not None and "." not in name:  # torch strips the module of builtins from its message
+        return CheckpointError(
+            f"{path} is not a torch.save file of tensors and plain data that perdure can read"
+            + (f" ({safe_name(detail, limit=120)})" if detail else "")
+        )
+    name = match.group(1)
+    if "." not in name:  # torch strips the module of builtins from its message
         name = f"builtins.{name}"
-    return _refusal(path, name, detail)
+    return _refusal(path, name)
 
 
 def load_torch_bytes(data: IO[bytes], what: object) -> Any:
-    """`torch.load(data, weights_only=True)`; a refused pickle is a `CheckpointError` naming `what` and the global."""
+    """`torch.load(data, weights_only=True)`; a refused pickle is a `CheckpointError` naming `what` and the global
+    (or saying it is no torch.save file at all)."""
     try:
         return torch.load(data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
