@@ -37,3 +37,13 @@ class StackNotAvailableError(PerdureError):
 
 class CheckpointSaveError(CheckpointError):
     """A save failed (disk full, I/O error, ...). Committed checkpoints are intact; the message says which save."""
+
+
+class UnsafeFileError(PerdureError, OSError):
+    """A path perdure will not read or write as it is: a symlink where none belongs, a FIFO, a device, a directory
+    where a file belongs, a file over its size bound (see `perdure.safe_io`). An `OSError`, so callers that handle
+    unreadable files handle this one too. `path` and `reason` say which and why."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(f"{path} {reason}")

@@ -27,23 +27,13 @@ from typing import Any
 
 import yaml
 
-from perdure.errors import PerdureError
+from perdure.errors import UnsafeFileError as UnsafeFileError  # the error of every helper here
 
 MAX_JSON_BYTES = 64 << 20  # a manifest of a very large checkpoint, or a sidecar with a long history, stays far below
 MAX_JSON_DEPTH = 64  # perdure's own JSON files nest at most 5 levels
 MAX_YAML_BYTES = 4 << 20
 MAX_YAML_NODES = 100_000  # nodes after alias expansion; a config has a few hundred
 MAX_NAME_SHOWN = 64  # characters of a hostile name (a pointer's content, ...) ever echoed
-
-
-class UnsafeFileError(PerdureError, OSError):
-    """A path perdure will not read or write as it is: a symlink where none belongs, a FIFO, a device, a directory
-    where a file belongs, a file over its size bound. An `OSError`, so callers that handle unreadable files handle
-    this one too; the message names the path, what it is, and what to do."""
-
-    def __init__(self, path: object, reason: str) -> None:
-        self.path, self.reason = path, reason
-        super().__init__(f"{escape_terminal(str(path))} {reason}")
 
 
 # ---------------------------------------------------------------------- reading
