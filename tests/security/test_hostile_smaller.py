@@ -5,7 +5,9 @@ messages (no traceback, never a stale pid or `kill 1`)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -115,14 +117,14 @@ def test_a_lock_held_by_another_program_names_that_program_not_the_stale_note(fi
     run = run_dir_of(file_root)
     stale = {"pid": 1, "host": socket.gethostname(), "started": "long ago", "argv": "python old.py"}
     (run / "run.lock").write_text(json.dumps(stale))
-    holder = subprocess.Popen(["flock", str(run / "run.lock"), "sleep", "60"])
+    holder = subprocess.Popen(["flock", str(run / "run.lock"), "sleep", "60"], start_new_session=True)
     try:
         deadline = time.monotonic() + 10
         while str(holder.pid) not in Path("/proc/locks").read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
         result = resume(file_root)
     finally:
-        holder.kill()
+        os.killpg(holder.pid, signal.SIGKILL)  # flock and the sleep it started, which holds the lock too
         holder.wait()
     output = text(result)
     assert result.returncode != 0 and "Traceback" not in output
