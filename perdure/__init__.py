@@ -13,6 +13,7 @@ from perdure.errors import (
     PerdureError,
     ResumeError,
     StackNotAvailableError,
+    UnsafeFileError,
 )
 from perdure.runners.base import BaseRunner
 from perdure.runners.runner import Runner
@@ -39,5 +40,6 @@ __all__ = [
     "SampleFolder",
     "StackNotAvailableError",
     "TorchRunner",
+    "UnsafeFileError",
     "write_sample_folder",
 ]

@@ -8,8 +8,8 @@ before anything is written.
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing_extensions import Self
 from perdure import config_text
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
+from perdure.safe_io import MAX_YAML_BYTES, UnsafeFileError, escape_terminal, load_yaml, loads_json, read_regular
 
 STACKS = ("torch", "parallel", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -218,7 +219,7 @@ class RunnerConfig(chanfig.Config):
         except PerdureError as error:
             if not exit_on_error:
                 raise
-            print(f"error: {error}", file=sys.stderr)
+            print(f"error: {escape_terminal(error, keep_newlines=True)}", file=sys.stderr)
             raise SystemExit(2) from None
 
     def _cli_layer(self, overrides: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -230,14 +231,7 @@ class RunnerConfig(chanfig.Config):
         return layer
 
     def _file_layer(self, file: str) -> dict[str, Any]:
-        path = Path(file).expanduser()
-        if not path.is_file():
-            raise ConfigError("config", file, "no such file; pass an existing .yaml or .json file to --config")
-        try:
-            with path.open() as stream:
-                data = json.load(stream) if path.suffix == ".json" else yaml.safe_load(stream)
-        except (OSError, ValueError, yaml.YAMLError) as error:
-            raise ConfigError("config", file, f"cannot be read ({error}); fix the file's syntax") from None
+        data = read_config_file(file)
         if data is None:
             return {}
         if not isinstance(data, Mapping):
@@ -346,6 +340,9 @@ class RunnerConfig(chanfig.Config):
         for key in ("workspace.root", "workspace.lineage", "workspace.id", "workspace.code_id"):
             if get(key) is not None and not isinstance(get(key), (str, os.PathLike)):
                 raise ConfigError(key, get(key), "use a string or None")
+        for key in ("workspace.lineage", "workspace.id", "workspace.code_id"):
+            check_path_component(key, get(key))
+        _check_root(get("workspace.root"))
         tags = get("workspace.tags")
         if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
@@ -419,6 +416,25 @@ def _lookup(mapping: Mapping[str, Any], key: str) -> Any:
     return value
 
 
+def read_config_file(file: str | os.PathLike, key: str = "config") -> Any:
+    """The data of a YAML or JSON config file, which may come from someone else: a regular file (never a FIFO or a
+    device; a symlink the user named is fine), at most `MAX_YAML_BYTES`, nested and alias-expanded within bounds
+    (`safe_io.load_yaml`, `safe_io.loads_json`). Raises `ConfigError` naming `key` and the file."""
+    path = Path(file).expanduser()
+    try:
+        if not path.is_file():
+            raise ConfigError(key, str(file), "no such file; pass an existing .yaml or .json file to --config")
+        raw = read_regular(path, MAX_YAML_BYTES, follow_symlinks=True)
+    except UnsafeFileError as error:
+        raise ConfigError(key, str(file), f"cannot be read: {error.reason}") from None
+    except (OSError, ValueError) as error:  # unreadable, a NUL byte or an over-long name
+        raise ConfigError(key, str(file), f"cannot be read ({error})") from None
+    try:
+        return loads_json(raw) if path.suffix == ".json" else load_yaml(raw)
+    except (ValueError, yaml.YAMLError) as error:
+        raise ConfigError(key, str(file), f"cannot be read ({error}); fix the file") from None
+
+
 def install_excepthook() -> None:
     """Print an uncaught `PerdureError` as one line `error: <message>` (no traceback). Idempotent."""
     if getattr(sys.excepthook, "_perdure", False):
@@ -427,7 +443,7 @@ def install_excepthook() -> None:
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         if issubclass(exc_type, PerdureError):
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {escape_terminal(exc, keep_newlines=True)}", file=sys.stderr)
         else:
             previous(exc_type, exc, tb)
 
@@ -467,8 +483,48 @@ def _check_number(key: str, value: Any, wanted: str, ok: Any, optional: bool = F
 def _check_path(key: str, value: Any) -> None:
     if value is None:
         return
-    if not isinstance(value, (str, os.PathLike)) or not Path(value).expanduser().exists():
+    try:
+        exists = isinstance(value, (str, os.PathLike)) and Path(value).expanduser().exists()
+    except (OSError, ValueError) as error:  # a NUL byte, a name longer than the filesystem allows, ...
+        raise ConfigError(key, value, f"not a usable path ({error}); pass an existing path or drop --{key}") from None
+    if not exists:
         raise ConfigError(key, value, f"no such file or directory; pass an existing path or drop --{key}")
+
+
+MAX_NAME_BYTES = 128  # a run id or lineage; with the code id the group folder stays far below NAME_MAX (255)
+_UNSAFE_NAME = re.compile(r"[\x00-\x1f\x7f-\x9f/\\]")
+
+
+def _check_root(value: Any) -> None:
+    """`workspace.root` may be any path the user chooses, but one the filesystem can hold."""
+    if value is None:
+        return
+    text = os.fspath(value)
+    if "\0" in text:
+        raise ConfigError("workspace.root", value, "a path cannot hold a NUL character")
+    if too_long := [part for part in Path(text).parts if len(part.encode("utf-8", "surrogatepass")) > 255]:
+        fix = f"the directory name {too_long[0][:40]!r}... is longer than 255 bytes"
+        raise ConfigError("workspace.root", f"{text[:60]}...", fix)
+
+
+def check_path_component(key: str, value: Any) -> None:
+    """`value` (None, or a name that becomes one directory of the run's path: `workspace.id`, `workspace.lineage`)
+    must be a single path component: no separator, not `.` / `..`, no NUL or control character, at most
+    `MAX_NAME_BYTES` bytes. Raises `ConfigError` naming the key."""
+    if value is None:
+        return
+    name = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(name, str) or not name:
+        raise ConfigError(key, value, "use a non-empty name (one directory name), or None for the default")
+    if name in (".", "..") or _UNSAFE_NAME.search(name):
+        raise ConfigError(
+            key,
+            value,
+            "use a single directory name: no '/', '\\', '.' or '..', NUL or control characters (it names a folder "
+            "under workspace.root; to put runs elsewhere set --workspace.root)",
+        )
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise ConfigError(key, f"{name[:40]}... ({len(name)} characters)", f"use at most {MAX_NAME_BYTES} bytes")
 
 
 def _check_loader(prefix: str, options: Mapping[str, Any], required: bool) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from perdure.errors import ConfigError
+from perdure.safe_io import load_yaml
 
 TRUE = ("true", "yes", "1")
 FALSE = ("false", "no", "0")
@@ -127,7 +128,7 @@ def parse_scalar(text: str) -> Any:
         number = float(text)
         return int(text) if re.fullmatch(r"[+-]?\d[\d_]*", text.strip()) else number
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text)
     except yaml.YAMLError:
         return text
     return value if isinstance(value, (type(None), bool, int, float, str, list, dict)) else text
@@ -138,7 +139,7 @@ def parse_list(key: str, text: str, current: Sequence[Any]) -> list[Any]:
     stripped = text.strip()
     if stripped.startswith("["):
         try:
-            items = yaml.safe_load(stripped)
+            items = load_yaml(stripped)
         except yaml.YAMLError:
             items = None
         if not isinstance(items, list):

@@ -42,3 +42,13 @@ class CheckpointSaveError(CheckpointError):
 class CheckpointStateError(CheckpointError):
     """The state to checkpoint cannot be serialized at all (a user object torch cannot save): no save will ever work,
     so the run stops at its first save instead of training on without checkpoints."""
+
+
+class UnsafeFileError(PerdureError, OSError):
+    """A path perdure will not read or write as it is: a symlink where none belongs, a FIFO, a device, a directory
+    where a file belongs, a file over its size bound (see `perdure.safe_io`). An `OSError`, so callers that handle
+    unreadable files handle this one too. `path` and `reason` say which and why."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(f"{path} {reason}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -28,14 +27,15 @@ from perdure.checkpoints.commit import (
 from perdure.checkpoints.gather import gather_records, publish_records
 from perdure.checkpoints.resolve import CheckpointInfo, Resolution, committed_checkpoints, find_latest, report
 from perdure.checkpoints.resolve import repair as repair_checkpoints
+from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.checkpoints.save_errors import save_failure
 from perdure.checkpoints.snapshot import Snapshot, available_memory, snapshot_nbytes
 from perdure.distributed.collectives import all_ranks
 from perdure.errors import CheckpointError, PerdureError
+from perdure.safe_io import ensure_dir, is_symlink, refuse_symlinked_dir, safe_name
 
 logger = logging.getLogger("perdure")
 
-PRUNE_PREFIX = ".prune-"
 # An async snapshot may use at most this share of the host memory still available; otherwise the save is synchronous.
 MEMORY_HEADROOM = 0.8
 
@@ -116,13 +116,15 @@ class CheckpointManager(ABC):
     def resolve(self) -> CheckpointInfo | None:
         """The newest checkpoint of this run that verifies. Reads only: what is wrong (bad checkpoints, staging
         leftovers, pointers) is reported now and fixed by `repair` when training starts."""
+        refuse_symlinked_dir(self.root)  # the repair and every save write here: never through a symlink
         if not self.root.is_dir():
             return None
         self.resolution = find_latest(self.root)
         fate = "left in place (moved to quarantine when training starts)" if self.policy.enabled else "skipped"
         report(self.resolution, logger.warning, default_fate=fate)
         quarantine_dir = self.root / QUARANTINE_DIR
-        self.quarantined = sorted(path.name for path in quarantine_dir.iterdir()) if quarantine_dir.is_dir() else []
+        real = quarantine_dir.is_dir() and not is_symlink(quarantine_dir)
+        self.quarantined = sorted(path.name for path in quarantine_dir.iterdir()) if real else []
         self.quarantined += [path.name for path, _ in self.resolution.failures]
         return self.resolution.chosen
 
@@ -278,8 +280,7 @@ class CheckpointManager(ABC):
         if self.world_size == 1:
             return make_staging_dir(self.root, name)
         staging = self.root / f"{STAGING_PREFIX}{name}-{self.token}-{sequence}"
-        staging.mkdir(parents=True, exist_ok=True)
-        return staging
+        return ensure_dir(staging)  # every rank creates it; a symlink planted under its name is refused
 
     def wait_for_snapshots(self) -> None:
         """Block until async snapshots have copied what the optimizer step is about to change."""
@@ -331,11 +332,22 @@ class CheckpointManager(ABC):
         if backend == self.backend:
             return self
         try:
-            cls = backend_class(backend)
+            cls = backend_class(backend) if isinstance(backend, str) else None
         except PerdureError:
+            cls = None
+        if cls is None:
             raise CheckpointError(
-                f"checkpoint {info.path} was written by backend {backend!r}, which this version of perdure cannot read"
-            ) from None
+                f"checkpoint {info.path} was written by backend {safe_name(backend)}, which this version of perdure "
+                "cannot read"
+            )
+        logger.warning(
+            "checkpoint %s was written by the %s backend but this run saves with the %s backend: reading it with the "
+            "%s reader (restricted like every reader: no checkpoint can run code)",
+            info.path,
+            backend,
+            self.backend,
+            backend,
+        )
         return cls(
             self.root,
             self.policy,
@@ -355,8 +367,12 @@ class CheckpointManager(ABC):
         """
         if not self.policy.enabled or self.rank != 0:
             return []
-        for leftover in self.root.glob(PRUNE_PREFIX + "*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        # Never fails the save that called it (that checkpoint is committed): a problem is a warning.
+        for leftover in leftovers(self.root)[0]:
+            try:
+                remove_leftover(leftover)
+            except OSError as error:
+                logger.warning("could not remove %s, left by an interrupted prune: %s", leftover, error)
         keep = self.policy.keep_latest_k
         if keep <= 0:
             return []
@@ -366,9 +382,11 @@ class CheckpointManager(ABC):
         for path in committed_checkpoints(self.root)[keep:]:
             if path.name in protected:
                 continue
-            aside = self.root / f"{PRUNE_PREFIX}{path.name}"
-            os.rename(path, aside)
-            shutil.rmtree(aside)
+            try:
+                retire(path)
+            except OSError as error:
+                logger.warning("ckpt.keep_latest_k: could not remove %s (%s); every checkpoint is intact", path, error)
+                continue
             removed.append(path)
         return removed
 

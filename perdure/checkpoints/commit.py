@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -23,6 +24,17 @@ from typing import Any, BinaryIO
 import xxhash
 
 from perdure.errors import CheckpointCorruptError, CheckpointError
+from perdure.safe_io import (
+    UnsafeFileError,
+    ensure_dir,
+    escape_terminal,
+    is_symlink,
+    kind_of,
+    open_regular,
+    read_json,
+    read_regular,
+    safe_name,
+)
 
 HASH_ALGORITHM = "xxh3_128"
 MANIFEST_NAME = "manifest.json"
@@ -120,11 +132,11 @@ def write_file(path: Path, write: Callable[[BinaryIO], None]) -> FileRecord:
 
 
 def hash_file(path: Path, chunk: int = 8 << 20) -> FileRecord:
-    """Size and digest of an existing file, read in `chunk`-byte pieces."""
+    """Size and digest of an existing regular file (never a FIFO or a symlink), read in `chunk`-byte pieces."""
     hasher, size = xxhash.xxh3_128(), 0
     buffer = bytearray(chunk)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as file:
         while n := file.readinto(buffer):
             hasher.update(view[:n])
             size += n
@@ -166,8 +178,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def make_staging_dir(root: Path, name: str) -> Path:
     """Create a fresh staging directory `root/.tmp-<name>-<pid>-<random>` (and `root` if needed)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    root = ensure_dir(root)
     staging = root / f"{STAGING_PREFIX}{name}-{os.getpid()}-{secrets.token_hex(4)}"
     staging.mkdir()
     return staging
@@ -248,14 +259,21 @@ def write_pointer(root: Path, pointer: str, target_name: str) -> None:
     atomic_write_text(Path(root) / pointer, target_name + "\n")
 
 
+MAX_POINTER_BYTES = 4096
+
+
 def read_pointer(root: Path, pointer: str) -> str | None:
-    """Content of `root/<pointer>`, stripped; None if the file is missing. Never raises: garbage is returned as is."""
+    """Content of `root/<pointer>`, stripped; None if the file is missing. Never raises: garbage is returned as is
+    (show it with `safe_name`). Only a regular file is read (a symlink or a FIFO is reported as unreadable, never
+    followed or waited on), and at most `MAX_POINTER_BYTES` of it."""
     try:
-        return (Path(root) / pointer).read_bytes().decode("utf-8", errors="replace").strip()
+        return read_regular(Path(root) / pointer, MAX_POINTER_BYTES).decode("utf-8", errors="replace").strip()
     except FileNotFoundError:
         return None
+    except UnsafeFileError as exc:
+        return f"<unreadable: {exc.reason.split(';')[0]}>"
     except OSError as exc:
-        return f"<unreadable: {exc}>"
+        return f"<unreadable: {exc.strerror or exc}>"
 
 
 def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
@@ -263,29 +281,55 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / MANIFEST_NAME
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = read_json(path, limit=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} missing") from None
+    except UnsafeFileError as exc:
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} {exc.reason}") from None
     except OSError as exc:
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} unreadable: {exc}") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, nested too deeply
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} is not valid JSON: {exc}") from None
     if not isinstance(manifest, dict):
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} is not a JSON object")
     if (fmt := manifest.get("format")) != MANIFEST_FORMAT:
-        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} format {fmt!r}, expected {MANIFEST_FORMAT!r}")
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} format {safe_name(fmt)}, expected {MANIFEST_FORMAT!r}")
     if missing := [k for k in _RESERVED_KEYS if k not in manifest]:
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} lacks field(s) {missing}")
     if manifest["hash"] != HASH_ALGORITHM:
-        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} uses hash {manifest['hash']!r}, not {HASH_ALGORITHM}")
+        raise CheckpointCorruptError(
+            ckpt_dir, f"{MANIFEST_NAME} uses hash {safe_name(manifest['hash'])}, not {HASH_ALGORITHM}"
+        )
+    for key, kinds in _MANIFEST_FIELDS.items():
+        value = manifest.get(key)
+        if (value is not None or key == "name") and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} field '{key}' has the wrong type")
     files = manifest["files"]
     if not isinstance(files, dict):
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} 'files' is not an object")
     for rel, entry in files.items():
-        ok = isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("digest"), str)
+        size = entry.get("size") if isinstance(entry, dict) else None
+        ok = isinstance(size, int) and not isinstance(size, bool) and size >= 0 and isinstance(entry.get("digest"), str)
         if not ok or not _is_safe_relpath(rel):
-            raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} has a malformed entry for {rel!r}")
+            raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} has a malformed entry for {safe_name(rel)}")
     return manifest
+
+
+MAX_MANIFEST_BYTES = 64 << 20
+# Fields perdure's readers use, with their types (absent or null is fine but for `name`).
+_MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "created": (str,),
+    "global_step": (int,),
+    "epoch": (int,),
+    "samples_in_epoch": (int,),
+    "world_size": (int,),
+    "backend": (str,),
+    "config_id": (str,),
+    "code_id": (str,),
+    "reason": (str,),
+    "score": (int, float),
+}
 
 
 def verify_checkpoint(ckpt_dir: Path, *, deep: bool = True, check_name: bool = True) -> dict[str, Any]:
@@ -300,22 +344,28 @@ def verify_checkpoint(ckpt_dir: Path, *, deep: bool = True, check_name: bool = T
         raise CheckpointCorruptError(ckpt_dir, "not a directory" if ckpt_dir.exists() else "does not exist")
     manifest = read_manifest(ckpt_dir)
     if check_name and manifest["name"] != ckpt_dir.name:
-        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} names {manifest['name']!r}, not {ckpt_dir.name!r}")
+        raise CheckpointCorruptError(
+            ckpt_dir, f"{MANIFEST_NAME} names {safe_name(manifest['name'])}, not {ckpt_dir.name!r}"
+        )
     files: dict[str, dict[str, Any]] = manifest["files"]
     for rel, entry in files.items():  # all sizes first: cheap, and catches truncation before any hashing
-        path = ckpt_dir / rel
-        if not path.is_file():
-            raise CheckpointCorruptError(ckpt_dir, f"{rel} missing")
-        if (size := path.stat().st_size) != entry["size"]:
-            raise CheckpointCorruptError(ckpt_dir, f"{rel}: size {size} != {entry['size']} in manifest")
+        shown = escape_terminal(rel)
+        try:
+            info = os.lstat(ckpt_dir / rel)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointCorruptError(ckpt_dir, f"{shown} missing") from None
+        if not stat.S_ISREG(info.st_mode):  # a symlink (perdure never writes one), a FIFO, a directory
+            raise CheckpointCorruptError(ckpt_dir, f"{shown} is {kind_of(info.st_mode)}, not a regular file")
+        if (size := info.st_size) != entry["size"]:
+            raise CheckpointCorruptError(ckpt_dir, f"{shown}: size {size} != {entry['size']} in manifest")
     if deep:
         for rel, entry in files.items():
             try:
                 record = hash_file(ckpt_dir / rel)
             except OSError as exc:
-                raise CheckpointCorruptError(ckpt_dir, f"{rel}: unreadable: {exc}") from None
+                raise CheckpointCorruptError(ckpt_dir, f"{escape_terminal(rel)}: unreadable: {exc}") from None
             if record.digest != entry["digest"] or record.size != entry["size"]:
-                raise CheckpointCorruptError(ckpt_dir, f"{rel}: checksum mismatch")
+                raise CheckpointCorruptError(ckpt_dir, f"{escape_terminal(rel)}: checksum mismatch")
     return manifest
 
 
@@ -327,8 +377,7 @@ def quarantine(ckpt_dir: Path, reason: str) -> Path:
     """
     ckpt_dir = Path(ckpt_dir)
     now = _utc_now()
-    qroot = ckpt_dir.parent / QUARANTINE_DIR
-    qroot.mkdir(exist_ok=True)
+    qroot = ensure_dir(ckpt_dir.parent / QUARANTINE_DIR, parents=False)  # a symlink there is refused (an OSError)
     base = f"{ckpt_dir.name.lstrip('.')}-{now.strftime('%Y%m%dT%H%M%SZ')}"
     dest, n = qroot / base, 0
     while dest.exists() or dest.is_symlink():
@@ -344,13 +393,16 @@ def quarantine(ckpt_dir: Path, reason: str) -> Path:
         f"reason: {reason}\n"
         "perdure never deletes a quarantined checkpoint: inspect it, then delete it or move it back yourself.\n"
     )
-    if dest.is_dir():
+    if dest.is_dir() and not is_symlink(dest):  # a quarantined symlink gets its note beside it, never inside
         note, n = dest / "REASON.txt", 0
-        while note.exists():  # never overwrite a file that came with the directory
+        while os.path.lexists(note):  # never overwrite (or write through) anything that came with the directory
             n += 1
             note = dest / f"REASON-{n}.txt"
     else:
-        note = dest.with_name(dest.name + ".REASON.txt")
+        note, n = dest.with_name(dest.name + ".REASON.txt"), 0
+        while os.path.lexists(note):
+            n += 1
+            note = dest.with_name(f"{dest.name}.REASON-{n}.txt")
     write_file(note, lambda f: f.write(text.encode("utf-8")))
     fsync_dir(note.parent)
     return dest

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
@@ -49,10 +49,16 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from perdure.checkpoints.async_save import AsyncSaver, _raise_open_file_limit
 from perdure.checkpoints.base import CheckpointManager, Stateful
-from perdure.checkpoints.commit import FileRecord, hash_file, write_file
+from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, write_file
 from perdure.checkpoints.file import local_file, read_local_states
+from perdure.checkpoints.safe_unpickle import (
+    RestrictedFileSystemReader,
+    RestrictedLoadPlanner,
+    load_torch_file,
+    read_dcp_metadata,
+)
 from perdure.checkpoints.save_errors import save_failure
-from perdure.errors import CheckpointError
+from perdure.errors import CheckpointCorruptError, CheckpointError
 
 logger = logging.getLogger("perdure")
 
@@ -165,7 +171,8 @@ class DCPCheckpointManager(CheckpointManager):
 
     def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
         model, optimizer = states.get("model"), states.get("optimizer")
-        stored = {key.split(".", 1)[0] for key in FileSystemReader(path).read_metadata().state_dict_metadata}
+        files = _manifest_files(path)
+        stored = {key.split(".", 1)[0] for key in read_dcp_metadata(path, files).state_dict_metadata}
         # Templates shaped like this run's objects (on this world size); DCP fills them from whatever ranks wrote.
         template: dict[str, Any] = {}
         if model is not None and "model" in stored:
@@ -177,11 +184,12 @@ class DCPCheckpointManager(CheckpointManager):
             if key in states and key in stored and key not in template:
                 template[key] = states[key].state_dict()
         try:
-            with _single_process():
-                dcp.load(template, storage_reader=FileSystemReader(path), no_dist=self.world_size == 1)
+            _restricted_load(template, path, files, no_dist=self.world_size == 1)
+        except CheckpointError:
+            raise
         except (Exception, CheckpointException) as error:
             raise CheckpointError(f"DCP could not read checkpoint {path}: {_describe(error)}") from error
-        plain = torch.load(path / REPLICATED_FILE, map_location="cpu", weights_only=True)
+        plain = load_torch_file(path / REPLICATED_FILE)
         for key, state in states.items():  # the mapping's order is the restore order
             if key == "model" and key in template:
                 set_model_state_dict(model, template[key])
@@ -192,6 +200,28 @@ class DCPCheckpointManager(CheckpointManager):
             elif key in plain:
                 state.load_state_dict(plain[key])
         return read_local_states(path, self.rank, local_states)
+
+
+def _restricted_load(state: dict[str, Any], path: Path, files: dict[str, Any] | None, *, no_dist: bool) -> None:
+    """`dcp.load` through the allow-listed reader and planner (see `safe_unpickle.py`): nothing in the checkpoint
+    can run code. A refusal inside DCP (which wraps errors in CheckpointException) surfaces as the CheckpointError."""
+    reader = RestrictedFileSystemReader(path, files)
+    try:
+        with _single_process():
+            dcp.load(state, storage_reader=reader, planner=RestrictedLoadPlanner(path), no_dist=no_dist)
+    except CheckpointException as error:
+        refusals = [e[0] for e in error.failures.values() if isinstance(e[0], CheckpointError)]
+        if refusals:
+            raise refusals[0] from None
+        raise
+
+
+def _manifest_files(path: Path) -> dict[str, Any] | None:
+    """The manifest's file list of a checkpoint, for bounding what DCP metadata may point at (None: no manifest)."""
+    try:
+        return read_manifest(path)["files"]
+    except CheckpointCorruptError:
+        return None
 
 
 @contextmanager
@@ -206,16 +236,17 @@ def read_dcp_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     """Model (or EMA) weights of a DCP checkpoint directory, read in this process alone (no process group needed)."""
     prefix = "ema.shadow." if ema else "model."
     try:
-        reader = FileSystemReader(path)
+        files = _manifest_files(path)
         weights = {
             key[len(prefix) :]: torch.empty(item.size, dtype=item.properties.dtype)
-            for key, item in reader.read_metadata().state_dict_metadata.items()
+            for key, item in read_dcp_metadata(path, files).state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
         }
         if weights:
             nested: dict[str, Any] = {"ema": {"shadow": weights}} if ema else {"model": weights}
-            with _single_process():
-                dcp.load(nested, storage_reader=reader, no_dist=True)
+            _restricted_load(nested, path, files, no_dist=True)
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as error:  # a BaseException must not bypass the runner's error handling
         raise CheckpointError(f"cannot read weights from DCP checkpoint {path}: {_describe(error)}") from error
     if not weights:

@@ -12,6 +12,7 @@ import torch.utils.serialization as serialization
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, write_file
+from perdure.checkpoints.safe_unpickle import load_torch_file
 
 logger = logging.getLogger("perdure")
 
@@ -49,7 +50,7 @@ class FileCheckpointManager(CheckpointManager):
         return files
 
     def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
-        replicated = torch.load(path / REPLICATED_FILE, map_location="cpu", weights_only=True)
+        replicated = load_torch_file(path / REPLICATED_FILE)
         for key, state in states.items():
             if key in replicated:
                 state.load_state_dict(replicated[key])
@@ -62,7 +63,7 @@ def read_local_states(path: Path, rank: int, local_states: Mapping[str, Stateful
     local_path = path / local_file(rank)
     if not local_path.exists():
         return False
-    local = torch.load(local_path, map_location="cpu", weights_only=True)
+    local = load_torch_file(local_path)
     for key, state in local_states.items():
         if key in local:
             state.load_state_dict(local[key])

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 
 from perdure.checkpoints.commit import FileRecord, fsync_dir
 from perdure.errors import CheckpointSaveError
+from perdure.safe_io import create_new, read_json
 
 MARKER_PREFIX = ".records-rank"
 
@@ -30,8 +32,8 @@ def publish_records(staging: Path, rank: int, files: dict[str, FileRecord] | Non
         "error": error,
         "files": {name: {"size": r.size, "digest": r.digest} for name, r in (files or {}).items()},
     }
-    temporary = staging / f".{MARKER_PREFIX}{rank:05d}.{os.getpid()}.tmp"
-    with open(temporary, "w") as handle:
+    temporary = staging / f".{MARKER_PREFIX}{rank:05d}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    with os.fdopen(create_new(temporary), "w") as handle:
         json.dump(payload, handle)
         handle.flush()
         os.fsync(handle.fileno())
@@ -55,10 +57,29 @@ def gather_records(staging: Path, world_size: int, timeout_s: float, poll_s: flo
         time.sleep(poll_s)
     files: dict[str, FileRecord] = {}
     for rank, marker in enumerate(markers):
-        payload = json.loads(marker.read_text())
+        payload = _read_marker(marker, rank)
         if payload["error"]:
             raise CheckpointSaveError(f"rank {rank} could not write its share: {payload['error']}")
         files.update({name: FileRecord(r["size"], r["digest"]) for name, r in payload["files"].items()})
     for marker in markers:
         marker.unlink()
     return files
+
+
+def _read_marker(marker: Path, rank: int) -> dict:
+    """A rank's marker, bounded and type-checked like any file in a run directory."""
+    try:
+        payload = read_json(marker, limit=MAX_MARKER_BYTES, max_depth=4)
+    except (OSError, ValueError) as error:
+        raise CheckpointSaveError(f"rank {rank}'s record {marker.name} is unreadable: {error}") from None
+    files = payload.get("files") if isinstance(payload, dict) else None
+    ok = isinstance(files, dict) and isinstance(payload.get("error"), (str, type(None)))
+    ok = ok and all(
+        isinstance(r, dict) and type(r.get("size")) is int and isinstance(r.get("digest"), str) for r in files.values()
+    )
+    if not ok:
+        raise CheckpointSaveError(f"rank {rank}'s record {marker.name} is malformed")
+    return payload
+
+
+MAX_MARKER_BYTES = 16 << 20

@@ -28,6 +28,7 @@ from perdure.checkpoints.commit import (
     write_pointer,
 )
 from perdure.errors import CheckpointCorruptError, CheckpointError
+from perdure.safe_io import is_symlink, safe_name
 
 logger = logging.getLogger("perdure")
 Warn = Callable[[str], None]
@@ -72,7 +73,7 @@ def committed_checkpoints(root: Path) -> list[Path]:
     epochs: dict[Path, int] = {}
     for path in root.iterdir():
         match = CHECKPOINT_PATTERN.match(path.name)
-        if not match or not path.is_dir():
+        if not match or not _is_real_dir(path):  # a symlink is no checkpoint perdure wrote: never followed
             continue
         if match["step"] is not None:
             steps[path] = int(match["step"])
@@ -84,6 +85,11 @@ def committed_checkpoints(root: Path) -> list[Path]:
         older = [s for p, s in steps.items() if s is not None and epochs.get(p, -1) < epochs[path] and p in epochs]
         steps[path] = max(older, default=-1)
     return sorted(steps, key=lambda p: (steps[p], epochs.get(p, -1), p.name), reverse=True)
+
+
+def _is_real_dir(path: Path) -> bool:
+    """A directory, not a symlink to one."""
+    return path.is_dir() and not is_symlink(path)
 
 
 def _describe(info: CheckpointInfo) -> str:
@@ -103,12 +109,12 @@ def _check_latest_pointer(root: Path, pointer: str | None, n_dirs: int, warn: Wa
         return None
     if not CHECKPOINT_PATTERN.match(pointer):
         warn(
-            f"CHECKPOINT PROBLEM: pointer {path} holds {pointer[:200]!r}, which is not a checkpoint name "
+            f"CHECKPOINT PROBLEM: pointer {path} holds {safe_name(pointer)}, which is not a checkpoint name "
             "(expected ckpt-s<12 digits> or ckpt-e<6 digits>); ignoring it and choosing the newest checkpoint "
             "that verifies."
         )
         return None
-    if not (root / pointer).is_dir():
+    if not _is_real_dir(root / pointer):
         warn(
             f"CHECKPOINT PROBLEM: pointer {path} names {pointer}, which does not exist in {root}; "
             "choosing the newest checkpoint that verifies."
@@ -121,19 +127,19 @@ def _repair_pointers(root: Path, pointer: str | None, chosen: CheckpointInfo | N
     """Make `latest` name the chosen checkpoint (or remove it when none verifies); drop a `best` naming nothing."""
     if chosen is not None and pointer != chosen.name:
         write_pointer(root, "latest", chosen.name)
-        warn(f"CHECKPOINT REPAIR: {root / 'latest'} now names {chosen.name} (it held {pointer!r}).")
+        warn(f"CHECKPOINT REPAIR: {root / 'latest'} now names {chosen.name} (it held {safe_name(pointer)}).")
     elif chosen is None and (root / "latest").exists():
         os.unlink(root / "latest")
         fsync_dir(root)
-        warn(f"CHECKPOINT REPAIR: removed {root / 'latest'} ({pointer!r}): no checkpoint in {root} verifies.")
+        warn(f"CHECKPOINT REPAIR: removed {root / 'latest'} ({safe_name(pointer)}): no checkpoint in {root} verifies.")
     # `best` is only ever re-pointed by a save whose score improved: pointing it at another checkpoint here would
     # claim a score that checkpoint does not have. A `best` that names no existing directory is removed instead.
     best = read_pointer(root, "best")
-    if best is not None and not (CHECKPOINT_PATTERN.match(best) and (root / best).is_dir()):
+    if best is not None and not (CHECKPOINT_PATTERN.match(best) and _is_real_dir(root / best)):
         os.unlink(root / "best")
         fsync_dir(root)
         warn(
-            f"CHECKPOINT REPAIR: removed {root / 'best'}: it named {best[:200]!r}, which is not a committed "
+            f"CHECKPOINT REPAIR: removed {root / 'best'}: it named {safe_name(best)}, which is not a committed "
             "checkpoint (quarantined or missing); the next save whose score improves sets it again."
         )
 
@@ -271,7 +277,7 @@ def resolve_path(path: Path, *, warn: Warn | None = None) -> CheckpointInfo:
     if path.is_file() and path.name in POINTERS:
         target = read_pointer(path.parent, path.name)
         if not target or not CHECKPOINT_PATTERN.match(target) or not (path.parent / target).is_dir():
-            raise CheckpointError(f"pointer {path} holds {target!r}, which names no checkpoint next to it")
+            raise CheckpointError(f"pointer {path} holds {safe_name(target)}, which names no checkpoint next to it")
         path = path.parent / target
     if not path.is_dir():
         raise CheckpointError(
@@ -302,7 +308,7 @@ def best_checkpoint(root: Path, *, warn: Warn | None = None) -> CheckpointInfo |
         return None
     warn = warn or logger.warning
     if not CHECKPOINT_PATTERN.match(name):
-        warn(f"CHECKPOINT PROBLEM: pointer {root / 'best'} holds {name[:200]!r}, not a checkpoint name; ignoring it.")
+        warn(f"CHECKPOINT PROBLEM: pointer {root / 'best'} holds {safe_name(name)}, not a checkpoint name; ignoring it")
         return None
     try:
         manifest = verify_checkpoint(root / name)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,7 +21,6 @@ from typing import Any
 
 import torch
 
-from perdure.checkpoints.base import PRUNE_PREFIX
 from perdure.checkpoints.commit import (
     CHECKPOINT_PATTERN,
     MANIFEST_NAME,
@@ -35,9 +33,11 @@ from perdure.checkpoints.commit import (
     verify_checkpoint,
 )
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
+from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
 from perdure.runners.export import EXPORT_DTYPES, export_weights, read_weights
+from perdure.safe_io import echo, escape_terminal, read_regular, safe_name
 
 EXPORT_SUFFIXES = (".pth", ".safetensors")
 RUN_DIR_MARKERS = ("checkpoints", "metadata", "run.lock")  # what a run dir holds (checkpoints/ may not exist yet)
@@ -190,7 +190,8 @@ def local_time(created: object) -> str:
 
 
 def table(rows: list[list[str]], right: frozenset[int] = frozenset()) -> str:
-    """Left-aligned columns (right-aligned where listed), two spaces apart."""
+    """Left-aligned columns (right-aligned where listed), two spaces apart; control characters escaped."""
+    rows = [[escape_terminal(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
@@ -210,11 +211,16 @@ def _position(checked: Checked) -> tuple[str, str]:
 
 def _quarantine_reason(entry: Path) -> str:
     """The `reason:` line of a quarantined entry's REASON.txt (else its first line), or '' if there is none."""
-    note = entry / "REASON.txt" if entry.is_dir() else entry.with_name(entry.name + ".REASON.txt")
+    note = (
+        entry / "REASON.txt"
+        if entry.is_dir() and not entry.is_symlink()
+        else entry.with_name(entry.name + ".REASON.txt")
+    )
     try:
-        lines = [line.strip() for line in note.read_text(errors="replace").splitlines() if line.strip()]
+        text = read_regular(note, 64 << 10).decode("utf-8", errors="replace")
     except OSError:
         return ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     reasons = [line.removeprefix("reason:").strip() for line in lines if line.startswith("reason:")]
     return (reasons or lines or [""])[0]
 
@@ -227,7 +233,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     root, _ = checkpoints_root(args.run)
     checked = check_all(root, deep=not args.quick)
     pointers = pointer_targets(root)
-    print(f"checkpoints in {root}")
+    echo(f"checkpoints in {root}")
     if checked:
         rows = [["NAME", "STEP", "EPOCH", "CREATED", "SIZE", "VERIFIED", "POINTERS"]]
         for item in checked:
@@ -236,33 +242,40 @@ def cmd_ls(args: argparse.Namespace) -> int:
             marks = ",".join(p for p, target in pointers.items() if target == item.name)
             created = local_time((item.manifest or {}).get("created"))
             rows.append([item.name, step, epoch, created, human_size(tree_size(item.path)), verified, marks or "-"])
-        print(table(rows, right=frozenset({1, 2, 4})))
+        echo(table(rows, right=frozenset({1, 2, 4})))
         for item in checked:
             if not item.ok:
-                print(f"  {item.name} FAILED: {item.error}")
+                echo(f"  {item.name} FAILED: {item.error}")
     else:
-        print("  no committed checkpoints")
+        echo("  no committed checkpoints")
     names = {item.name for item in checked}
     for pointer, target in pointers.items():
         if target not in names:
-            print(f"pointer {pointer} names {target[:200]!r}, which is not a committed checkpoint here")
+            echo(f"pointer {pointer} names {safe_name(target)}, which is not a committed checkpoint here")
+    for link in sorted(p for p in root.iterdir() if CHECKPOINT_PATTERN.match(p.name) and p.is_symlink()):
+        echo(f"ignored {link.name}: a symlink, not a checkpoint (perdure never follows one in a checkpoints dir)")
 
     quarantine = root / QUARANTINE_DIR
     entries = (
-        sorted(p for p in quarantine.iterdir() if not p.name.endswith(".REASON.txt")) if quarantine.is_dir() else []
+        sorted(p for p in quarantine.iterdir() if not p.name.endswith(".REASON.txt"))
+        if quarantine.is_dir() and not quarantine.is_symlink()
+        else []
     )
     if entries:
-        print(f"quarantined ({quarantine}; perdure never deletes these):")
-        print(table([[f"  {p.name}", human_size(tree_size(p)), _quarantine_reason(p) or "-"] for p in entries]))
+        echo(f"quarantined ({quarantine}; perdure never deletes these):")
+        echo(table([[f"  {p.name}", human_size(tree_size(p)), _quarantine_reason(p) or "-"] for p in entries]))
     others = sorted(root.iterdir()) if root.is_dir() else []
     staging = [p for p in others if p.name.startswith(STAGING_PREFIX)]
     if staging:
-        print("staging dirs (a save in flight if the run is live, else an interrupted one the next start quarantines):")
-        print(table([[f"  {p.name}", human_size(tree_size(p))] for p in staging]))
-    leftovers = [p for p in others if p.name.startswith(PRUNE_PREFIX)]
-    if leftovers:
-        print("leftovers of an interrupted prune (removed by the next prune):")
-        print(table([[f"  {p.name}", human_size(tree_size(p))] for p in leftovers]))
+        echo("staging dirs (a save in flight if the run is live, else an interrupted one the next start quarantines):")
+        echo(table([[f"  {p.name}", human_size(tree_size(p))] for p in staging]))
+    ours, foreign = leftovers(root) if root.is_dir() else ([], [])
+    if ours:
+        echo("leftovers of an interrupted prune (removed by the next prune):")
+        echo(table([[f"  {p.name}", human_size(tree_size(p))] for p in ours]))
+    if foreign:
+        echo("not perdure's (named like a prune leftover, but never marked by one; prune leaves them alone):")
+        echo(table([[f"  {p.name}", human_size(tree_size(p))] for p in foreign]))
     return 0
 
 
@@ -281,41 +294,41 @@ def cmd_verify(args: argparse.Namespace) -> int:
     path, deep = args.path.expanduser(), not args.quick
     if is_checkpoint_dir(path):
         item = check(path, deep=deep, check_name=bool(CHECKPOINT_PATTERN.match(path.name)))
-        print(_ok_line(item, deep) if item.ok else f"FAILED  {item.path}: {item.error}")
+        echo(_ok_line(item, deep) if item.ok else f"FAILED  {item.path}: {item.error}")
         return 0 if item.ok else 1
 
     root, _ = checkpoints_root(path)
     checked = check_all(root, deep=deep)
     failures = 0
     for item in checked:
-        print(_ok_line(item, deep) if item.ok else f"FAILED  {item.path}: {item.error}")
+        echo(_ok_line(item, deep) if item.ok else f"FAILED  {item.path}: {item.error}")
         failures += not item.ok
     if not checked:
-        print(f"FAILED  {root}: no committed checkpoint")
+        echo(f"FAILED  {root}: no committed checkpoint")
         failures += 1
 
     by_name = {item.name: item for item in checked}
     newest_ok = next((item.name for item in checked if item.ok), None)
     pointers = pointer_targets(root)
     if "latest" not in pointers and checked:
-        print(f"WARNING latest: missing; the next start points it at the newest checkpoint that verifies ({newest_ok})")
+        echo(f"WARNING latest: missing; the next start points it at the newest checkpoint that verifies ({newest_ok})")
     for pointer, target in pointers.items():
         problem = None
         if not CHECKPOINT_PATTERN.match(target):
-            problem = f"holds {target[:200]!r}, which is not a checkpoint name"
+            problem = f"holds {safe_name(target)}, which is not a checkpoint name"
         elif target not in by_name:
             problem = f"names {target}, which does not exist"
         elif not by_name[target].ok:
             problem = f"names {target}, which does not verify"
         if problem:
-            print(f"FAILED  {root / pointer}: {problem}")
+            echo(f"FAILED  {root / pointer}: {problem}")
             failures += 1
         else:
-            print(f"OK      {pointer} -> {target}")
+            echo(f"OK      {pointer} -> {target}")
             if pointer == "latest" and newest_ok and newest_ok != target:
-                print(f"NOTE    latest names {target} but {newest_ok} is newer and verifies; a resume uses {newest_ok}")
+                echo(f"NOTE    latest names {target} but {newest_ok} is newer and verifies; a resume uses {newest_ok}")
     if failures:
-        print(f"{failures} failure(s) in {root}")
+        echo(f"{failures} failure(s) in {root}")
     return 1 if failures else 0
 
 
@@ -378,13 +391,18 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
             raise CheckpointError(f"{path} is a weights file; --ema needs a checkpoint (it holds both weight sets)")
         return read_weights(path), str(path)
     info: CheckpointInfo = resolve_path(path)
+    backend = info.manifest.get("backend", "file")
+    if backend not in ("file", "dcp"):
+        raise CheckpointError(
+            f"checkpoint {info.path} was written by backend {safe_name(backend)}; export reads file and dcp checkpoints"
+        )
     where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
-    where.append(f"backend {info.manifest.get('backend', 'file')}")
+    where.append(f"backend {safe_name(backend)}")
     return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})"
 
 
 def _output_format(out: Path, requested: str | None) -> str:
-    """ "pth" or "safetensors": from OUT's suffix, or `--format` (which must agree with a known suffix)."""
+    """The output format, pth or safetensors: OUT's suffix, or `--format` (which must agree with a known suffix)."""
     from_suffix = {".pth": "pth", ".safetensors": "safetensors"}.get(out.suffix)
     if requested and from_suffix and requested != from_suffix:
         raise PerdureError(f"--format {requested} but {out} ends in {out.suffix}; use a matching name or drop one")
@@ -410,7 +428,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     count = sum(t.numel() for t in weights.values() if isinstance(t, torch.Tensor))
     what = "EMA weights" if args.ema else "model weights"
     cast = f" as {args.dtype}" if args.dtype else ""
-    print(
+    echo(
         f"exported {what} of {source}{cast} to {out}: {len(weights)} tensors, {count:,} values, "
         f"{human_size(out.stat().st_size)}"
     )
@@ -440,19 +458,22 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def _prune(root: Path, keep: int, *, deep: bool, dry_run: bool) -> int:
     if not root.is_dir():
-        print(f"no checkpoints in {root}: nothing to prune")
+        echo(f"no checkpoints in {root}: nothing to prune")
         return 0
     verb = "would remove" if dry_run else "removed"
-    for leftover in sorted(root.glob(PRUNE_PREFIX + "*")):
+    ours, foreign = leftovers(root)
+    for leftover in ours:
         if not dry_run:
-            shutil.rmtree(leftover)
-        print(f"{verb} {leftover.name} (left by an interrupted prune)")
+            remove_leftover(leftover)
+        echo(f"{verb} {leftover.name} (left by an interrupted prune)")
+    for entry in foreign:
+        echo(f"left {entry.name}: not perdure's (no prune marker); remove it yourself if it is not needed")
     checked = check_all(root, deep=deep)
     good = [item for item in checked if item.ok]
     protected = set(pointer_targets(root).values())
     for item in checked:
         if not item.ok:
-            print(f"left {item.name}: it fails verification ({item.error}); the next start of the run quarantines it")
+            echo(f"left {item.name}: it fails verification ({item.error}); the next start of the run quarantines it")
     kept = [item.name for item in good[:keep]] + [i.name for i in good[keep:] if i.name in protected]
     freed = 0
     for item in good[keep:]:
@@ -460,13 +481,10 @@ def _prune(root: Path, keep: int, *, deep: bool, dry_run: bool) -> int:
             continue
         size = tree_size(item.path)
         if not dry_run:
-            aside = root / f"{PRUNE_PREFIX}{item.name}"
-            os.rename(item.path, aside)  # a kill mid-delete leaves a .prune-* dir, never half a checkpoint
-            fsync_dir(root)
-            shutil.rmtree(aside)
+            retire(item.path)  # a kill mid-delete leaves a marked .prune-* dir, never half a checkpoint
         freed += size
-        print(f"{verb} {item.name} ({human_size(size)})")
+        echo(f"{verb} {item.name} ({human_size(size)})")
     if not dry_run:
         fsync_dir(root)
-    print(f"kept {len(kept)}: {', '.join(kept) or '-'}; {'would free' if dry_run else 'freed'} {human_size(freed)}")
+    echo(f"kept {len(kept)}: {', '.join(kept) or '-'}; {'would free' if dry_run else 'freed'} {human_size(freed)}")
     return 0

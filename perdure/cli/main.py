@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from perdure.errors import PerdureError
+from perdure.safe_io import echo
 
 # Each subcommand module exposes `add_parser(subparsers)`; the parser it adds sets `handler(args) -> int`.
 SUBCOMMANDS = {"runs": "perdure.cli.runs", "ckpt": "perdure.cli.ckpt"}
@@ -26,7 +27,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except PerdureError as error:
-        print(f"error: {error}", file=sys.stderr)
+        echo(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a path the filesystem refuses (a name too long, permissions, ...): no traceback
+        where = f": {error.filename}" if error.filename else ""
+        echo(f"error: {error.strerror or error}{where}", file=sys.stderr)
         return 2
 
 

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from perdure.config import flatten
+from perdure.safe_io import echo, escape_terminal
 from perdure.workspace.registry import Registry, RegistryError, RunRecord
 from perdure.workspace.sidecar import SIDECAR_NAME, STALE, STATUSES, parse_stamp, read_sidecar
 
@@ -66,7 +67,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
     registry = Registry(args.root)
     report = registry.scan(full=args.full)
     _report_skipped(registry)
-    print(
+    echo(
         f"{report.found} run(s) under {report.root}: {report.updated} read, {report.removed} removed, "
         f"{len(report.errors)} skipped"
     )
@@ -81,7 +82,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.limit is not None:
         records = records[: max(args.limit, 0)]
     if not records:
-        print(f"no runs under {registry.root}{_filtered(args)}", file=sys.stderr)
+        echo(f"no runs under {registry.root}{_filtered(args)}", file=sys.stderr)
         return 0
     metrics = args.metric or _default_metrics(records)
     headers = ["ID", "LINEAGE", "STATUS", "STEP", *metrics, "UPDATED"]
@@ -89,7 +90,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         [r.run_id, r.lineage or _EMPTY, r.status, _num(r.step), *(_num(r.metric(m)) for m in metrics), _when(r.updated)]
         for r in records
     ]
-    print(table(headers, rows, right=range(3, 4 + len(metrics))))
+    echo(table(headers, rows, right=range(3, 4 + len(metrics))))
     return 0
 
 
@@ -117,27 +118,25 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("latest ckpt", record.latest_checkpoint),
         ("best ckpt", record.best_checkpoint),
     ]
-    print(
-        table(["", ""], [[key, _EMPTY if value in (None, "") else str(value)] for key, value in fields], header=False)
-    )
+    echo(table(["", ""], [[key, _EMPTY if value in (None, "") else str(value)] for key, value in fields], header=False))
     if record.summary:
-        print("\nmetrics")
+        echo("\nmetrics")
         rows = [
             [key, *(_num(entry.get(stat)) for stat in ("latest", "latest_step", "min", "min_step", "max", "max_step"))]
             for key, entry in sorted(record.summary.items())
         ]
-        print(table(["METRIC", "LATEST", "@STEP", "MIN", "@STEP", "MAX", "@STEP"], rows, right=range(1, 7)))
+        echo(table(["METRIC", "LATEST", "@STEP", "MIN", "@STEP", "MAX", "@STEP"], rows, right=range(1, 7)))
     if data["attempts"]:
-        print("\nattempts")
-        print(_attempts_table(data["attempts"]))
+        echo("\nattempts")
+        echo(_attempts_table(data["attempts"]))
         failures = [(i, f) for i, a in enumerate(data["attempts"], start=1) for f in a.get("save_failures") or []]
         if failures:
-            print("\nfailed saves")
-            print(table(["#", "CHECKPOINT", "ERROR"], [[str(i), f["checkpoint"], f["error"]] for i, f in failures]))
+            echo("\nfailed saves")
+            echo(table(["#", "CHECKPOINT", "ERROR"], [[str(i), f["checkpoint"], f["error"]] for i, f in failures]))
     if record.hparams:
-        print("\nhparams")
+        echo("\nhparams")
         params = flatten(record.hparams)
-        print(table(["", ""], [[key, _value(value)] for key, value in params.items()], header=False, indent=2))
+        echo(table(["", ""], [[key, _value(value)] for key, value in params.items()], header=False, indent=2))
     return 0
 
 
@@ -154,7 +153,7 @@ def cmd_best(args: argparse.Namespace) -> int:
             close = difflib.get_close_matches(args.metric, known, n=5, cutoff=0.5) or known
             hint = f"known metrics: {', '.join(close[:10])}" if close else "no run has logged metrics yet"
             raise RegistryError(f"no run under {registry.root} has metric '{args.metric}'; {hint}")
-        print(f"no runs with '{args.metric}'{_filtered(args)}", file=sys.stderr)
+        echo(f"no runs with '{args.metric}'{_filtered(args)}", file=sys.stderr)
         return 0
     stat = "max" if args.max else "min"
     headers = ["#", "ID", "LINEAGE", "STATUS", f"{args.metric} ({stat})", "@STEP", "UPDATED"]
@@ -163,7 +162,7 @@ def cmd_best(args: argparse.Namespace) -> int:
         + [_when(r.updated)]
         for rank, (r, value) in enumerate(ranked, start=1)
     ]
-    print(table(headers, rows, right=(0, 4, 5)))
+    echo(table(headers, rows, right=(0, 4, 5)))
     return 0
 
 
@@ -173,7 +172,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     filters = {"lineage": args.lineage, "status": args.status, "tag": args.tag}
     path = registry.export(args.file, **filters)
     _report_skipped(registry)
-    print(f"wrote {len(registry.runs(**filters))} run(s) to {path}")
+    echo(f"wrote {len(registry.runs(**filters))} run(s) to {path}")
     return 0
 
 
@@ -188,9 +187,10 @@ def table(
     header: bool = True,
     indent: int = 0,
 ) -> str:
-    """Aligned columns separated by two spaces; columns in `right` are right-aligned (numbers)."""
-    lines = [list(headers)] if header else []
-    lines += [[str(cell) for cell in row] for row in rows]
+    """Aligned columns separated by two spaces; columns in `right` are right-aligned (numbers). Control characters
+    (terminal escapes, CR, tabs, newlines) in any cell are shown escaped, never sent to the terminal."""
+    lines = [[escape_terminal(cell) for cell in headers]] if header else []
+    lines += [[escape_terminal(cell) for cell in row] for row in rows]  # every value may come from a sidecar
     widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
     right = set(right)
     out = []
@@ -269,4 +269,4 @@ def _filtered(args: argparse.Namespace) -> str:
 
 def _report_skipped(registry: Registry) -> None:
     for issue in registry.last_scan.errors if registry.last_scan else []:
-        print(f"warning: skipped {issue.path}: {issue.reason}", file=sys.stderr)
+        echo(f"warning: skipped {issue.path}: {issue.reason}", file=sys.stderr)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import weakref
 from pathlib import Path
 
 from perdure.loggers.progress import ProgressBar
+from perdure.safe_io import ensure_dir, escape_terminal, open_writable
 
 LOGGER_NAME = "perdure"
 _FORMAT = "%(asctime)s %(levelname)s %(message)s"
@@ -27,7 +29,7 @@ class ConsoleHandler(logging.StreamHandler):
 
     def __init__(self) -> None:
         super().__init__(sys.stdout)
-        self.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+        self.setFormatter(EscapingFormatter(_FORMAT, datefmt="%H:%M:%S"))
 
     def emit(self, record: logging.LogRecord) -> None:
         self.stream = sys.stdout
@@ -55,12 +57,20 @@ def get_logger() -> logging.Logger:
     return logger
 
 
+class EscapingFormatter(logging.Formatter):
+    """Formats a record, then escapes every control character but the newline: a value read from disk (a run id, a
+    pointer, a file name) can never put a terminal escape sequence on the console or into the log file."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escape_terminal(super().format(record), keep_newlines=True)
+
+
 class RunLogFile(logging.FileHandler):
-    """The log file of the run a process is working on (one at a time)."""
+    """The log file of the run a process is working on (one at a time), never opened through a symlink."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.setFormatter(logging.Formatter(_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+        super().__init__(path, encoding="utf-8")
+        self.setFormatter(EscapingFormatter(_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
         self._failed = False
 
     def handleError(self, record: logging.LogRecord) -> None:
@@ -73,6 +83,10 @@ class RunLogFile(logging.FileHandler):
             return
         super().handleError(record)
 
+    def _open(self):  # noqa: ANN202 - logging.FileHandler's own hook
+        # O_NOFOLLOW: a symlink (or a FIFO) planted under the log's name is refused, never written through.
+        return os.fdopen(open_writable(self.baseFilename, append=True), "a", encoding=self.encoding)
+
 
 def attach_log_file(path: Path) -> logging.Handler:
     """Mirror everything the console shows into `path`, replacing the log file of an earlier run in this process."""
@@ -80,7 +94,7 @@ def attach_log_file(path: Path) -> logging.Handler:
     for handler in [h for h in logger.handlers if isinstance(h, RunLogFile)]:
         logger.removeHandler(handler)
         handler.close()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(path.parent)
     handler = RunLogFile(path)
     logger.addHandler(handler)
     return handler

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+from perdure.safe_io import (
+    UnsafeFileError,
+    create_new,
+    ensure_dir,
+    is_regular_or_missing,
+    move_aside,
+    open_writable,
+    read_regular,
+)
+
+logger = logging.getLogger("perdure")
+MAX_LINES_BYTES = 1 << 30  # metrics.csv of a very long run; beyond this the file is not one perdure wrote
 
 
 class StepLines:
@@ -25,12 +40,20 @@ class StepLines:
         self._file: IO[str] | None = None
 
     def open(self, resumed_step: int) -> list[str]:
-        """Cut the file back to `resumed_step`, open it for appending; return the dropped records."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Cut the file back to `resumed_step`, open it for appending; return the dropped records.
+
+        The file is never written through a symlink: a symlink (or a FIFO, a device) in its place is moved aside with
+        a warning, its target untouched, and the file starts anew."""
+        ensure_dir(self.path.parent)
         for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):  # a rewrite a kill interrupted
-            stale.unlink(missing_ok=True)
+            stale.unlink(missing_ok=True)  # a symlink is removed itself, never its target
+        try:
+            is_regular_or_missing(self.path)
+        except UnsafeFileError as error:
+            aside = move_aside(self.path, "unexpected")
+            logger.warning("%s; moved it to %s (its target is untouched) and started a new one", error, aside.name)
         dropped = self._cut(resumed_step)
-        self._file = self.path.open("a", encoding="utf-8", newline="")
+        self._file = os.fdopen(open_writable(self.path, append=True), "a", encoding="utf-8", newline="")
         if self.header is not None and self._file.tell() == 0:
             self._file.write(self.header + "\n")
         return dropped
@@ -60,7 +83,7 @@ class StepLines:
     def _cut(self, resumed_step: int) -> list[str]:
         if not self.path.exists():
             return []
-        data = self.path.read_bytes()
+        data = read_regular(self.path, MAX_LINES_BYTES)
         lines = data.decode("utf-8", errors="replace").split("\n")
         torn = lines.pop()  # text after the last newline: empty, or a record cut short by a kill
         changed = bool(torn)
@@ -89,8 +112,8 @@ class StepLines:
 
 def _atomic_write(path: Path, text: str) -> None:
     """Replace `path` by `text` so that a crash leaves either the old or the new file, never a mix."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with temporary.open("w", encoding="utf-8", newline="") as stream:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    with os.fdopen(create_new(temporary), "w", encoding="utf-8", newline="") as stream:
         stream.write(text)
         stream.flush()
         os.fsync(stream.fileno())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,8 +10,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from perdure.loggers.base import MetricLogger
-from perdure.loggers.files import StepLines
+from perdure.loggers.files import MAX_LINES_BYTES, StepLines
 from perdure.loggers.images import encode_png, to_image_array
+from perdure.safe_io import (
+    UnsafeFileError,
+    ensure_dir,
+    is_regular_or_missing,
+    is_symlink,
+    loads_json,
+    read_regular,
+    replace_with_bytes,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -46,7 +54,7 @@ class MediaLogger(MetricLogger):
 
     def open(self, run_dir: Path, *, resumed_step: int, state: RunnerState, config: RunnerConfig) -> None:
         self._run_dir = Path(run_dir)
-        self._index = StepLines(self._run_dir / INDEX_FILE, step_of=lambda line: json.loads(line)["step"])
+        self._index = StepLines(self._run_dir / INDEX_FILE, step_of=lambda line: _record(line)["step"])
         for line in self._index.open(resumed_step):
             self._remove_dropped(line)
 
@@ -57,12 +65,11 @@ class MediaLogger(MetricLogger):
         if self._run_dir is None or self._index is None:
             raise RuntimeError("MediaLogger.log_image before open()")
         array = to_image_array(image)
-        relative = Path(MEDIA_DIR) / safe_tag(tag) / f"{int(step):08d}_{int(index)}.png"
+        relative = media_path(tag, step, index)
         path = self._run_dir / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_bytes(encode_png(array))
-        os.replace(temporary, path)
+        ensure_dir(self._run_dir / MEDIA_DIR)
+        ensure_dir(path.parent)
+        replace_with_bytes(path, encode_png(array))
         record = {"step": int(step), "tag": tag, "index": int(index), "path": relative.as_posix()}
         record["shape"] = list(array.shape)
         self._index.write(json.dumps(record))
@@ -76,19 +83,55 @@ class MediaLogger(MetricLogger):
             self._index.close()
 
     def _remove_dropped(self, line: str) -> None:
-        """Delete the PNG of an index line a resume dropped (the resumed run writes it again if it logs it)."""
+        """Delete the PNG of an index line a resume dropped (the resumed run writes it again if it logs it).
+
+        media.jsonl may come from someone else, so a line only ever names a file this logger would have written for
+        it: `path` must be exactly `media/<safe_tag(tag)>/<step>_<index>.png` of the line's own tag, step and index,
+        and the file a regular one in real (not symlinked) directories under `media/`. Anything else is left alone."""
         try:
-            relative = Path(json.loads(line)["path"])
+            record = _record(line)
+            relative = media_path(record["tag"], record["step"], record["index"])
         except (ValueError, KeyError, TypeError):
             return
-        if relative.is_absolute() or ".." in relative.parts:
+        if record.get("path") != relative.as_posix():
             return
-        (self._run_dir / relative).unlink(missing_ok=True)
+        directory = self._run_dir
+        for part in relative.parts[:-1]:
+            directory = directory / part
+            if is_symlink(directory) or not directory.is_dir():
+                return
+        path = self._run_dir / relative
+        try:
+            if is_regular_or_missing(path):
+                path.unlink()
+        except (UnsafeFileError, FileNotFoundError):
+            pass
+
+
+def media_path(tag: str, step: int, index: int) -> Path:
+    """Where `MediaLogger` writes image `index` of `tag` at `step`, relative to the run dir."""
+    if not isinstance(tag, str) or any(isinstance(n, bool) or not isinstance(n, int) for n in (step, index)):
+        raise TypeError("a media record needs a string tag and integer step / index")
+    return Path(MEDIA_DIR) / safe_tag(tag) / f"{int(step):08d}_{int(index)}.png"
+
+
+def _record(line: str) -> dict:
+    """One media.jsonl line, parsed with a nesting bound (it may come from someone else)."""
+    record = loads_json(line, max_depth=4)
+    if not isinstance(record, dict):
+        raise ValueError("a media record is a JSON object")
+    return record
 
 
 def read_media_index(run_dir: Path) -> list[dict]:
-    """The records of a run's media.jsonl, in order."""
+    """The records of a run's media.jsonl, in order (lines that are not records are skipped)."""
     path = Path(run_dir) / INDEX_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    records = []
+    for line in read_regular(path, MAX_LINES_BYTES).decode("utf-8", errors="replace").splitlines():
+        try:
+            records.append(_record(line))
+        except ValueError:
+            continue
+    return records

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from perdure.loggers.base import MetricLogger
-from perdure.loggers.files import StepLines
+from perdure.loggers.files import MAX_LINES_BYTES, StepLines
+from perdure.safe_io import read_regular
 
 if TYPE_CHECKING:
     from perdure.config import RunnerConfig
@@ -71,5 +72,6 @@ def _step_of(line: str) -> int:
 
 def read_metrics_csv(path: Path) -> list[tuple[int, str, str, float]]:
     """The rows of a metrics.csv as `(step, split, name, value)` tuples, in file order."""
-    with Path(path).open(newline="", encoding="utf-8") as stream:
-        return [(int(row["step"]), row["split"], row["name"], float(row["value"])) for row in csv.DictReader(stream)]
+    text = read_regular(Path(path), MAX_LINES_BYTES, follow_symlinks=True).decode("utf-8")  # never a FIFO
+    stream = io.StringIO(text, newline="")
+    return [(int(row["step"]), row["split"], row["name"], float(row["value"])) for row in csv.DictReader(stream)]

@@ -13,6 +13,7 @@ import numpy as np
 from perdure.loggers.base import MetricLogger, metric_tag
 from perdure.loggers.console import get_logger
 from perdure.loggers.images import encode_png, to_image_array
+from perdure.safe_io import ensure_dir
 
 if TYPE_CHECKING:
     from perdure.config import RunnerConfig
@@ -44,7 +45,7 @@ class TensorBoardLogger(MetricLogger):
     def open(self, run_dir: Path, *, resumed_step: int, state: RunnerState, config: RunnerConfig) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        log_dir = Path(run_dir) / TENSORBOARD_DIR
+        log_dir = ensure_dir(Path(run_dir) / TENSORBOARD_DIR)  # never a symlink to somewhere else
         existing = _event_file_seconds(log_dir)
         purge_step = None
         if existing:

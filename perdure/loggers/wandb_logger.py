@@ -15,6 +15,7 @@ from perdure.errors import ConfigError
 from perdure.loggers.base import MetricLogger, metric_tag
 from perdure.loggers.console import get_logger
 from perdure.loggers.images import to_image_array
+from perdure.safe_io import ensure_dir
 
 if TYPE_CHECKING:
     from perdure.config import RunnerConfig
@@ -64,6 +65,7 @@ class WandbLogger(MetricLogger):
         from perdure.workspace.identity import canonical_config
 
         run_dir = Path(run_dir)
+        ensure_dir(run_dir / "wandb")  # W&B writes there: never through a symlink to somewhere else
         resumed = state.wandb_run_id is not None
         if not resumed:
             state.wandb_run_id = generate_run_id()

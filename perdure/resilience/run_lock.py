@@ -34,10 +34,12 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from stat import S_ISREG
 from types import TracebackType
 from typing import Any
 
 from perdure.errors import PerdureError
+from perdure.safe_io import ensure_dir, escape_terminal, kind_of, read_json
 
 LOCK_NAME = "run.lock"
 _READ_RETRIES = 10  # the holder truncates then writes its info: wait up to ~0.1 s for it to appear
@@ -51,29 +53,107 @@ _HELD_GUARD = threading.Lock()
 
 
 class RunLockedError(PerdureError):
-    """Another live process holds the lock of this run directory. `holder` is what it wrote (may be empty)."""
+    """Another live process holds the lock of this run directory.
 
-    def __init__(self, run_dir: Path, holder: dict[str, Any]):
+    `holder` is what the lock file says (may be empty or stale); `processes` the (pid, command line) of the processes
+    this host sees holding the lock now, or None when it cannot tell (another host on NFS, no /proc). `pid` and `host`
+    name the holder the message names: a live process, or the lock file's unverified note when nothing better is known.
+    """
+
+    def __init__(self, run_dir: Path, holder: dict[str, Any], processes: list[tuple[int, str]] | None = None):
         self.run_dir, self.holder = Path(run_dir), dict(holder)
-        self.pid: int | None = holder.get("pid")
-        self.host: str | None = holder.get("host")
-        super().__init__(_locked_message(self.run_dir, self.holder))
+        self.processes = processes
+        self.pid: int | None = processes[0][0] if processes else holder.get("pid")
+        self.host: str | None = socket.gethostname() if processes else holder.get("host")
+        super().__init__(_locked_message(self.run_dir, self.holder, processes))
 
 
-def _locked_message(run_dir: Path, holder: dict[str, Any]) -> str:
+def _locked_message(run_dir: Path, holder: dict[str, Any], processes: list[tuple[int, str]] | None) -> str:
     why = "a lock left by a process that has died never blocks, so this one is alive"
     other = "to start a separate run beside it, give it another --workspace.id"
-    if "pid" not in holder:
-        who = "another process (it has not written its pid yet)"
-        return f"run {run_dir} is in use by {who}; wait for it to end or stop it ({why}); {other}."
-    pid, host = holder["pid"], holder.get("host", "<unknown host>")
-    since = holder.get("started", "<unknown time>")
-    argv = str(holder.get("argv") or "")
-    argv = argv if len(argv) <= 200 else argv[:197] + "..."
-    return (
-        f"run {run_dir} is in use by pid {pid} on {host} since {since} ({argv}); wait for it to end or stop it "
-        f"(`kill {pid}` on {host}; {why}); {other}."
-    )
+    if processes:
+        pid, command = processes[0]
+        if holder.get("pid") == pid and holder.get("host") == socket.gethostname():
+            since = escape_terminal(holder.get("started", "<unknown time>"))
+            who = f"pid {pid} on {socket.gethostname()} since {since} ({_short(holder.get('argv'))})"
+        else:
+            who = f"pid {pid} on {socket.gethostname()} ({_short(command)})"
+        stop = f"`kill {pid}`" if pid > 1 else "stop that process"
+        return f"run {run_dir} is in use by {who}; wait for it to end or stop it ({stop}; {why}); {other}."
+    if holder.get("pid") is not None and holder.get("host") not in (None, socket.gethostname()):
+        who = (
+            f"a process on another host: run.lock names pid {holder['pid']} on {escape_terminal(holder['host'])} since "
+            f"{escape_terminal(holder.get('started', '<unknown time>'))} ({_short(holder.get('argv'))}), which this "
+            "host cannot verify"
+        )
+    else:
+        who = "a process this host cannot identify (no process here has run.lock open; on a network filesystem it may "
+        who += "be a process on another host)"
+    return f"run {run_dir} is locked by {who}; wait for it to end or stop it ({why}); {other}."
+
+
+def _short(text: Any, limit: int = 200) -> str:
+    text = escape_terminal(str(text or ""))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def lock_holders(path: Path) -> list[tuple[int, str]] | None:
+    """(pid, command line) of the live processes of this host that hold the flock of `path` now, or None when it
+    cannot tell. Read from /proc/locks (the kernel's own table), checked against /proc/<pid>/fd where readable;
+    when the process that took the lock has died but a forked child keeps it, the descriptors are scanned instead."""
+    try:
+        info = os.stat(path, follow_symlinks=False)
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    pids = []
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":  # "N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE START END"; skips "->"
+            continue
+        try:
+            pid, inode = int(fields[4]), int(fields[5].rsplit(":", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if inode == info.st_ino and pid > 0 and pid != os.getpid():
+            pids.append(pid)
+    holders = [pid for pid in dict.fromkeys(pids) if _has_open(pid, info) is not False]
+    if not holders:
+        holders = [pid for pid in _all_pids() if pid != os.getpid() and _has_open(pid, info)]
+    return [(pid, _command_line(pid)) for pid in holders] or None
+
+
+def _has_open(pid: int, info: os.stat_result) -> bool | None:
+    """Whether process `pid` has the file of `info` open; None when its descriptors cannot be read."""
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    for name in names:
+        try:
+            other = os.stat(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if (other.st_dev, other.st_ino) == (info.st_dev, info.st_ino):
+            return True
+    return False
+
+
+def _all_pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+
+
+def _command_line(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "command line unreadable"
+    return " ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part) or "no command line"
 
 
 class RunLock:
@@ -159,15 +239,15 @@ class RunLock:
 
     def _try_acquire(self, announce: bool = True) -> None:
         if self._fd is not None:
-            raise RunLockedError(self.run_dir, self._info)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            raise RunLockedError(self.run_dir, self._info, [(os.getpid(), "this process")])
+        ensure_dir(self.run_dir)
+        fd = _open_lock_file(self.path)
         try:
             stat = os.fstat(fd)
             key = (stat.st_dev, stat.st_ino)
             with _HELD_GUARD:
                 if (other := _HELD.get(key)) is not None:
-                    raise RunLockedError(self.run_dir, other._info)
+                    raise RunLockedError(self.run_dir, other._info, [(os.getpid(), "this process")])
                 _flock_or_raise(fd, self.run_dir, self.path)
                 self._info = _own_info()
                 _HELD[key] = self
@@ -194,15 +274,39 @@ class RunLock:
                 pass
 
 
+def _open_lock_file(path: Path) -> int:
+    """Open (creating) the lock file for reading and writing: a regular file, never through a symlink."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except IsADirectoryError:
+        raise PerdureError(
+            f"{path} is a directory, not perdure's lock file; move it away (nothing in it is perdure's) and start again"
+        ) from None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise PerdureError(
+                f"{path} is a symlink; perdure never writes its lock through a symlink (it would truncate the file "
+                "it points to). Remove the symlink and start again."
+            ) from None
+        raise
+    info = os.fstat(fd)
+    if not S_ISREG(info.st_mode):
+        os.close(fd)
+        raise PerdureError(f"{path} is {kind_of(info.st_mode)}, not perdure's lock file; move it away and start again")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def read_holder(path: Path) -> dict[str, Any]:
-    """Parse the holder info in a lock file; {} if it is missing, empty or not JSON (e.g. being rewritten)."""
+    """Parse the holder info in a lock file; {} if it is missing, empty or not JSON (e.g. being rewritten).
+    Informational only, and possibly stale or hostile: a bounded read of a regular file; fields type-checked."""
     for attempt in range(_READ_RETRIES):
         try:
-            info = json.loads(Path(path).read_bytes())
+            info = read_json(path, limit=64 << 10, max_depth=4)
         except (OSError, ValueError):
             info = None
-        if isinstance(info, dict) and "pid" in info:
-            return info
+        if isinstance(info, dict) and isinstance(info.get("pid"), int) and not isinstance(info["pid"], bool):
+            return {key: value if key == "pid" else str(value) for key, value in info.items()}
         if attempt + 1 < _READ_RETRIES:
             time.sleep(_READ_RETRY_DELAY)
     return {}
@@ -221,10 +325,10 @@ def _flock_or_raise(fd: int, run_dir: Path, path: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise RunLockedError(run_dir, read_holder(path)) from None
+        raise RunLockedError(run_dir, read_holder(path), lock_holders(path)) from None
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
-            raise RunLockedError(run_dir, read_holder(path)) from None
+            raise RunLockedError(run_dir, read_holder(path), lock_holders(path)) from None
         raise PerdureError(
             f"cannot lock {path}: {exc}. The filesystem of the run dir does not support flock (on Lustre, mount with "
             "-o flock); put the workspace (--workspace.root) on a filesystem that does."

@@ -21,6 +21,7 @@ from perdure.loggers.console import get_logger
 from perdure.runners.export import export_weights, read_weights
 from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
+from perdure.safe_io import read_yaml
 from perdure.workspace.identity import canonical_config, config_diff
 from perdure.workspace.run_dir import resolve_run_dir
 
@@ -182,8 +183,7 @@ class CheckpointingMixin:
         )
 
     def _check_same_config(self, info: CheckpointInfo) -> None:
-        stored_path = info.path / "config.yaml"
-        stored = yaml.safe_load(stored_path.read_text()) if stored_path.exists() else {}
+        stored = read_stored_config(info.path) if (info.path / "config.yaml").exists() else {}
         theirs, ours = canonical_config(stored), canonical_config(self.config)
         if theirs != ours:
             lines = "\n  ".join(config_diff(theirs, ours, a_label="checkpoint", b_label="current"))
@@ -214,7 +214,7 @@ class CheckpointingMixin:
         run's latest, else a branch run `<run id>-from-<checkpoint>` beside it.
         """
         info = resolve_path(Path(path))
-        stored = yaml.safe_load((info.path / "config.yaml").read_text())
+        stored = read_stored_config(info.path)
         config = config_class.from_plain(stored)
         config.checkpoint = str(info.path)
         config.pretrained = None
@@ -277,6 +277,19 @@ def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tenso
             "same architecture (a checkpoint or model.pth of this model)"
         )
     model.load_state_dict(weights)
+
+
+def read_stored_config(checkpoint: Path) -> dict[str, Any]:
+    """The config a checkpoint stores (`config.yaml`), read as a file from someone else: a regular file, bounded in
+    size and alias expansion (`safe_io.read_yaml`), a mapping. CheckpointError otherwise."""
+    path = checkpoint / "config.yaml"
+    try:
+        stored = read_yaml(path)
+    except (OSError, yaml.YAMLError) as error:
+        raise CheckpointError(f"cannot read the config stored in {path}: {error}") from None
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{path} holds no config mapping; it is not a perdure checkpoint's config")
+    return stored
 
 
 class _DataPosition:

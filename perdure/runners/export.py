@@ -11,7 +11,9 @@ import torch
 from perdure.checkpoints.commit import POINTERS, fsync_dir, write_file
 from perdure.checkpoints.file import REPLICATED_FILE
 from perdure.checkpoints.resolve import resolve_path
+from perdure.checkpoints.safe_unpickle import load_torch_file
 from perdure.errors import CheckpointError, ConfigError
+from perdure.safe_io import UnsafeFileError
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,7 +40,7 @@ def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise CheckpointError(f"pretrained path {path} does not exist")
     if path.is_file() and path.name not in POINTERS:
-        weights = _load(path)
+        weights = _load(path, named=True)
         if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
             raise CheckpointError(f"{path} holds no state dict of tensors; give a model export such as model.pth")
         return weights
@@ -48,18 +50,28 @@ def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
 
         return read_dcp_weights(info.path, ema=ema)
     state = _load(info.path / REPLICATED_FILE)
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{info.path / REPLICATED_FILE} holds no model state; it is not a perdure checkpoint")
     if ema:
         if "ema" not in state:
             raise CheckpointError(
                 f"checkpoint {info.path} holds no EMA weights (it was trained with ema.enabled=false)"
             )
-        return state["ema"]["shadow"]
-    return state["model"]
+        weights = state["ema"].get("shadow") if isinstance(state["ema"], dict) else None
+    else:
+        weights = state["model"]
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        what = "EMA weights" if ema else "model weights"
+        raise CheckpointError(f"{info.path / REPLICATED_FILE} holds no state dict of tensors as its {what}")
+    return weights
 
 
-def _load(path: Path) -> object:
+def _load(path: Path, *, named: bool = False) -> object:
+    """`torch.load(weights_only=True)`; `named`: the user gave this file (a symlink to it is fine)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return load_torch_file(path, follow_symlinks=named)
+    except (CheckpointError, UnsafeFileError):
+        raise
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"{path} is not a torch.save file of tensors that perdure can load safely (it reads weights with "

@@ -25,6 +25,7 @@ import yaml
 from perdure.checkpoints.commit import atomic_write_text
 from perdure.config import RunnerConfig, flatten
 from perdure.errors import PerdureError
+from perdure.safe_io import ensure_dir
 from perdure.workspace.identity import canonical_config, git_state
 
 METADATA_DIR = "metadata"
@@ -46,7 +47,8 @@ def write_metadata(
         raise PerdureError(f"attempt {attempt!r} is not a valid directory name; pass a timestamp like 20261122T023011Z")
     metadata = Path(run_dir) / METADATA_DIR
     attempt_dir = metadata / ATTEMPTS_DIR / attempt
-    attempt_dir.mkdir(parents=True, exist_ok=True)
+    for directory in (metadata, attempt_dir.parent, attempt_dir):  # never through a symlink
+        ensure_dir(directory)
     for name, text in metadata_texts(config, code_path=code_path).items():
         atomic_write_text(attempt_dir / name, text)
         if not (metadata / name).exists():

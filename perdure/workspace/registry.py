@@ -12,6 +12,7 @@ import csv
 import difflib
 import io
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 from perdure.checkpoints.commit import atomic_write_text
 from perdure.config import flatten
 from perdure.errors import PerdureError
+from perdure.safe_io import UnsafeFileError, csv_text, is_regular_or_missing, loads_json, move_aside
 from perdure.workspace.run_dir import workspace_root
 from perdure.workspace.sidecar import (
     SIDECAR_NAME,
@@ -60,6 +62,7 @@ _COLUMNS = (
     "size",
 )
 _JSON_COLUMNS = ("tags", "hparams", "summary")
+logger = logging.getLogger("perdure")
 _SCHEMA = f"CREATE TABLE IF NOT EXISTS runs ({', '.join(_COLUMNS)}, PRIMARY KEY (dir))"
 
 
@@ -275,9 +278,12 @@ class Registry:
         if status is not None and status not in (*STATUSES, STALE):
             raise RegistryError(f"status filter {status!r}: use one of {', '.join((*STATUSES, STALE))}")
         self.scan()
-        with self._lock:
-            rows = self._db().execute(f"SELECT {', '.join(_COLUMNS)} FROM runs").fetchall()
-        records = [self._record(dict(zip(_COLUMNS, row))) for row in rows]
+        records, bad = self._records()
+        if bad:  # a cache row of the wrong shape (registry.db is a file like any other): re-read those sidecars
+            with self._lock, self._db() as db:
+                db.executemany("DELETE FROM runs WHERE dir = ?", [(name,) for name in bad])
+            self.scan()
+            records, _ = self._records()
         records = [
             record
             for record in records
@@ -289,14 +295,34 @@ class Registry:
         records.sort(key=lambda record: record.updated or "", reverse=True)
         return records
 
+    def _records(self) -> tuple[list[RunRecord], list[str]]:
+        """Every cached run as a record, and the run dirs whose cache rows are malformed."""
+        with self._lock:
+            rows = self._db().execute(f"SELECT {', '.join(_COLUMNS)} FROM runs").fetchall()
+        records, bad = [], []
+        for row in rows:
+            try:
+                records.append(self._record(dict(zip(_COLUMNS, row))))
+            except (ValueError, TypeError):
+                bad.append(row[0])
+        return records, bad
+
     def _record(self, row: dict[str, Any]) -> RunRecord:
+        """A cache row as a record; ValueError / TypeError when the row does not have the shape `_refresh` writes."""
+        _check_row(row)
         path = self.root / row["dir"]
         raw = {"status": row["status"], "updated": row["updated"]}
         status = row["status"] or "unknown"
         if status == "running":
             status = effective_status(raw, heartbeat_mtime(path), stale_after=self.stale_after)
         values = {key: row[key] for key in _COLUMNS if key not in ("dir", "mtime_ns", "size")}
-        values.update({key: json.loads(row[key]) for key in _JSON_COLUMNS})
+        values.update({key: loads_json(row[key]) for key in _JSON_COLUMNS})
+        if not (isinstance(values["tags"], list) and all(isinstance(tag, str) for tag in values["tags"])):
+            raise TypeError("tags")
+        if not isinstance(values["hparams"], dict) or not isinstance(values["summary"], dict):
+            raise TypeError("hparams / summary")
+        if not all(isinstance(entry, dict) for entry in values["summary"].values()):
+            raise TypeError("summary")
         return RunRecord(**{**values, "path": path, "status": status})
 
     def get(self, id_or_prefix: str) -> RunRecord:
@@ -373,7 +399,18 @@ class Registry:
 
 def _open_cache(db_path: Path) -> sqlite3.Connection:
     """The cache at `db_path`, created or rebuilt as needed: a corrupt one is deleted (it holds nothing that the
-    sidecars do not), one of another schema version is emptied, an unwritable root gets an in-memory cache."""
+    sidecars do not), one of another schema version is emptied, an unwritable root gets an in-memory cache. SQLite
+    would write through a symlink: a symlink (or anything but a regular file) named like the cache or its journal
+    is moved aside first, its target untouched."""
+    for path in (db_path, *(db_path.with_name(db_path.name + suffix) for suffix in ("-journal", "-wal", "-shm"))):
+        try:
+            is_regular_or_missing(path)
+        except UnsafeFileError as error:
+            try:
+                aside = move_aside(path, "unexpected")
+            except OSError:
+                return _connect(Path(":memory:"))
+            logger.warning("%s; moved it to %s (its target is untouched): the run cache is rebuilt", error, aside.name)
     for _ in range(2):
         try:
             return _connect(db_path)
@@ -404,13 +441,34 @@ def _connect(db_path: Path) -> sqlite3.Connection:
     return conn
 
 
+_ROW_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("dir", "run_id", "config_id", "tags", "hparams", "summary"), (str,)),
+    **dict.fromkeys(("lineage", "code_id", "status", "latest_checkpoint", "best_checkpoint"), (str, type(None))),
+    **dict.fromkeys(("created", "updated"), (str, type(None))),
+    **dict.fromkeys(("attempts", "mtime_ns", "size"), (int,)),
+    **dict.fromkeys(("step", "epoch"), (int, type(None))),
+}
+
+
+def _check_row(row: dict[str, Any]) -> None:
+    for key, kinds in _ROW_TYPES.items():
+        if isinstance(row[key], bool) or not isinstance(row[key], kinds):
+            raise TypeError(f"cache column {key} holds a {type(row[key]).__name__}")
+    parts = row["dir"].split("/")
+    if len(parts) != 2 or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"cache row names {row['dir']!r}, not a run directory under the root")
+
+
 def _cell(value: Any) -> Any:
-    """A value for one table cell: lists and dicts as JSON, None as empty."""
+    """A value for one CSV cell: lists and dicts as JSON, None as empty, text that no spreadsheet reads as a formula
+    (`csv_text`); numbers as they are."""
     if value is None:
         return ""
     if isinstance(value, (list, dict)):
-        return json.dumps(value)
-    return value
+        value = json.dumps(value)
+    if isinstance(value, bool):
+        value = str(value)  # quoted like any text: only numbers stay unquoted
+    return csv_text(value) if isinstance(value, str) else value
 
 
 def _columns(rows: Iterable[dict[str, Any]]) -> list[str]:
@@ -430,11 +488,14 @@ def _columns(rows: Iterable[dict[str, Any]]) -> list[str]:
 
 
 def _csv(rows: list[dict[str, Any]]) -> str:
+    """One row per run. Every text cell is quoted (so a CR or LF inside a value never splits a row) and no cell,
+    header included, starts like a formula: names and values come from sidecars, which may come from anyone."""
     stream = io.StringIO()
-    writer = csv.DictWriter(stream, fieldnames=_columns(rows), lineterminator="\n")
-    writer.writeheader()
+    columns = _columns(rows)
+    writer = csv.writer(stream, lineterminator="\n", quoting=csv.QUOTE_NONNUMERIC)
+    writer.writerow([csv_text(column) for column in columns])
     for row in rows:
-        writer.writerow({key: _cell(value) for key, value in row.items()})
+        writer.writerow([_cell(row.get(column)) for column in columns])
     return stream.getvalue()
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perdure.config import RunnerConfig
+from perdure.config import RunnerConfig, check_path_component
+from perdure.safe_io import UnsafeFileError, check_inside, ensure_dir
 from perdure.workspace.identity import config_id as compute_config_id
 from perdure.workspace.identity import program_code_id
 from perdure.workspace.launch import Launch, current_launch, entry_path, read_entry
@@ -51,8 +52,9 @@ class RunDir:
         return self.path / "metadata"
 
     def create(self) -> None:
+        """Create the run's directories; a symlink where one belongs is refused (`UnsafeFileError`), never followed."""
         for directory in (self.path, self.checkpoints, self.logs, self.metadata):
-            directory.mkdir(parents=True, exist_ok=True)
+            ensure_dir(directory)
 
 
 def workspace_root(config: Mapping[str, Any] | str | os.PathLike | None = None) -> Path:
@@ -98,6 +100,8 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
     in the launch index, whatever the code is now; otherwise `workspace.code_id`, when set, stands for the code.
     """
     workspace = config.get("workspace") or {}
+    for key in ("lineage", "id", "code_id"):  # a stored config (from_checkpoint) reaches here before check()
+        check_path_component(f"workspace.{key}", workspace.get(key))
     root = workspace_root(config)
     lineage = workspace.get("lineage") or default_lineage(runner_class_name)
     running = program_code_id()
@@ -114,7 +118,7 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
         if entry is not None:
             path, code, run_id, continued = root / entry["run_dir"], entry["code_id"], entry["run_id"], True
     return RunDir(
-        path=path,
+        path=check_under_root(path, root),
         lineage=lineage,
         code_id=code,
         config_id=cfg,
@@ -125,3 +129,12 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
         root=root,
         workspace_id=workspace_id,
     )
+
+
+def check_under_root(path: Path, root: Path) -> Path:
+    """`path` (a run directory) if it is two single-name levels under `root` and, with symlinks resolved, inside it;
+    else `UnsafeFileError` saying where it would have gone. Everything a workspace writes stays under its root."""
+    relative = path.relative_to(root) if path.is_relative_to(root) else None
+    if relative is None or len(relative.parts) != 2 or any(part in ("", ".", "..") for part in relative.parts):
+        raise UnsafeFileError(path, f"is not a run directory under the workspace root {root}")
+    return check_inside(path, root, what="a run directory, through a symlink")

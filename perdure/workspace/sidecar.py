@@ -22,6 +22,17 @@ from typing import Any
 
 from perdure.checkpoints.commit import atomic_write_text
 from perdure.errors import PerdureError
+from perdure.safe_io import (
+    UnsafeFileError,
+    ensure_dir,
+    is_symlink,
+    move_aside,
+    open_writable,
+    read_json,
+    read_regular,
+    replace_with_bytes,
+    safe_name,
+)
 
 SIDECAR_NAME = "sidecar.json"
 HEARTBEAT_NAME = "heartbeat"
@@ -108,13 +119,13 @@ class Sidecar:
             self._data["created"] = earlier.get("created") or now
 
     def _load_earlier(self) -> dict[str, Any] | None:
-        if not self.path.exists():
+        if not self.path.exists() and not is_symlink(self.path):
             return None
         try:
             return read_sidecar(self.path)
         except SidecarError as error:
             aside = self.path.with_name(f"{SIDECAR_NAME}.corrupt-{utc_stamp()}")
-            os.replace(self.path, aside)
+            os.replace(self.path, aside)  # a symlink is moved itself, its target untouched
             logger.warning("%s; moved it to %s and started a fresh run history", error, aside.name)
             return None
 
@@ -253,21 +264,32 @@ class Sidecar:
         with self._lock:
             self._data["updated"] = utc_stamp()
             text = _dumps(self._data, indent=2) + "\n"
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ensure_dir(self.run_dir)
             if durable:
                 atomic_write_text(self.path, text)
             else:
-                temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-                temporary.write_text(text)
-                os.replace(temporary, self.path)
+                replace_with_bytes(self.path, text.encode("utf-8"))
         touch_heartbeat(self.run_dir)
 
 
 def touch_heartbeat(run_dir: Path) -> None:
     """Set the mtime of `run_dir/heartbeat` to now (creating it): proof the run was alive at this moment."""
-    path = Path(run_dir) / HEARTBEAT_NAME
-    path.touch(exist_ok=True)
-    os.utime(path)
+    fd = _open_heartbeat(Path(run_dir) / HEARTBEAT_NAME)
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
+
+
+def _open_heartbeat(path: Path) -> int:
+    """The heartbeat file for writing, created if missing, never through a symlink: a symlink (or anything but a
+    regular file) there is moved aside with a warning first."""
+    try:
+        return open_writable(path)
+    except UnsafeFileError as error:
+        aside = move_aside(path, "unexpected")
+        logger.warning("%s; moved it to %s (its target is untouched) and started a new heartbeat", error, aside.name)
+        return open_writable(path)
 
 
 class Heartbeat:
@@ -279,7 +301,7 @@ class Heartbeat:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / HEARTBEAT_NAME
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        self._fd = _open_heartbeat(self.path)
 
     def beat(self, step: int) -> None:
         os.pwrite(self._fd, f"{int(step):>20}\n".encode(), 0)
@@ -293,7 +315,7 @@ class Heartbeat:
 def heartbeat_step(run_dir: Path) -> int | None:
     """The step the heartbeat last recorded, or None (no heartbeat, or one that only marks time)."""
     try:
-        return int((Path(run_dir) / HEARTBEAT_NAME).read_text().strip())
+        return int(read_regular(Path(run_dir) / HEARTBEAT_NAME, 64).decode("ascii").strip())
     except (OSError, ValueError):
         return None
 
@@ -310,24 +332,77 @@ def read_sidecar(path: Path) -> dict[str, Any]:
     """Parse and check a `sidecar.json`; raises `SidecarError` (path and reason) if unreadable or invalid."""
     path = Path(path)
     try:
-        data = json.loads(path.read_bytes())
+        data = read_json(path, limit=MAX_SIDECAR_BYTES)
     except FileNotFoundError:
         raise SidecarError(path, "file missing") from None
     except OSError as error:
         raise SidecarError(path, f"unreadable: {error}") from None
-    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, nested too deeply
         raise SidecarError(path, f"not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise SidecarError(path, f"top level is a {type(data).__name__}, not an object")
     if data.get("format") != SIDECAR_FORMAT:
-        raise SidecarError(path, f"format is {data.get('format')!r}, expected {SIDECAR_FORMAT!r}")
+        raise SidecarError(path, f"format is {safe_name(data.get('format'))}, expected {SIDECAR_FORMAT!r}")
     expected = {"run_id": str, "config_id": str, "attempts": list, "summary": dict, "tags": list, "hparams": dict}
     for key, kind in expected.items():
         if not isinstance(data.get(key), kind):
             raise SidecarError(path, f"'{key}' is missing or not a {kind.__name__}")
     if data.get("status") is not None and data["status"] not in STATUSES:
-        raise SidecarError(path, f"unknown status {data['status']!r}")
+        raise SidecarError(path, f"unknown status {safe_name(data['status'])}")
+    if problem := _type_problem(data):
+        raise SidecarError(path, problem)
     return data
+
+
+MAX_SIDECAR_BYTES = 32 << 20
+_TEXT, _COUNT, _NUMBER = (str, type(None)), "count", "number"
+_FIELDS = {
+    **dict.fromkeys(("lineage", "code_id", "path", "created", "updated"), _TEXT),
+    **dict.fromkeys(("latest_checkpoint", "best_checkpoint"), _TEXT),
+    "step": _COUNT,
+    "epoch": _COUNT,
+}
+_ATTEMPT_FIELDS = {
+    **dict.fromkeys(("started", "ended", "exit_reason", "status", "resumed_from"), _TEXT),
+    **dict.fromkeys(("resumed_step", "last_step", "steps_done", "steps_lost"), _COUNT),
+    "save_seconds": _NUMBER,
+}
+
+
+def _wrong(value: Any, kind: Any) -> bool:
+    if kind == _COUNT:
+        return value is not None and (isinstance(value, bool) or not isinstance(value, int))
+    if kind == _NUMBER:
+        return value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))
+    return not isinstance(value, kind)
+
+
+def _type_problem(data: dict[str, Any]) -> str | None:
+    """What in a parsed sidecar has the wrong type for perdure's readers (the runner, the registry, `runs show`)."""
+    for key, kind in _FIELDS.items():
+        if _wrong(data.get(key), kind):
+            return f"'{key}' has the wrong type ({type(data[key]).__name__})"
+    if not all(isinstance(tag, str) for tag in data["tags"]):
+        return "'tags' holds a non-string"
+    for metric, entry in data["summary"].items():
+        if not isinstance(entry, dict) or any(_wrong(entry.get(stat), _NUMBER) for stat in _STATS):
+            return f"summary entry {safe_name(metric)} is not an object of numbers"
+    for attempt in data["attempts"]:
+        if not isinstance(attempt, dict):
+            return "an attempt is not an object"
+        for key, kind in _ATTEMPT_FIELDS.items():
+            if _wrong(attempt.get(key), kind):
+                return f"attempt field '{key}' has the wrong type ({type(attempt[key]).__name__})"
+        counts = attempt.get("restart_counts") or {}
+        if not isinstance(counts, dict) or any(_wrong(value, _COUNT) for value in counts.values()):
+            return "attempt field 'restart_counts' is not an object of counts"
+        failures = attempt.get("save_failures") or []
+        if not isinstance(failures, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("checkpoint"), str) and isinstance(f.get("error"), str)
+            for f in failures
+        ):
+            return "attempt field 'save_failures' is not a list of {checkpoint, error}"
+    return None
 
 
 def effective_status(

@@ -132,6 +132,7 @@ class ResumableRunner(Runner):
 def install_fault(spec: str) -> None:
     import perdure.checkpoints.base as manager_module
     import perdure.checkpoints.file as file_module
+    from perdure.checkpoints.retire import PRUNE_PREFIX
 
     point, nth = spec.split(":")
     calls = {"count": 0}
@@ -156,7 +157,7 @@ def install_fault(spec: str) -> None:
         rmtree = shutil.rmtree
 
         def killing_rmtree(path, *args, **kwargs):
-            if os.path.basename(path).startswith(manager_module.PRUNE_PREFIX) and due():
+            if os.path.basename(path).startswith(PRUNE_PREFIX) and due():
                 die()
             return rmtree(path, *args, **kwargs)
 
