@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from perdure.checkpoints.commit import MANIFEST_NAME, hash_file, read_pointer
-from tests.runs import SCRIPTS, environment
+from tests.runs import PINNED_CODE, SCRIPTS, environment
 from tests.scripts.resumable import ResumableRunner, make_config
 
 RUN_ID = "victim"
@@ -59,7 +59,8 @@ def latest(run: Path) -> Path:
 
 def resume(root: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """The real command: relaunch the victim's training script on `root` (it continues to step 6)."""
-    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *TINY_ARGS, *args]
+    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *PINNED_CODE, *TINY_ARGS]
+    command += args
     return subprocess.run(command, env=environment(), capture_output=True, timeout=timeout)
 
 
