@@ -109,8 +109,8 @@ def web_workspace(tmp_path_factory) -> WebWorkspace:
     try:
         assert_ok(train("resumable.py", "baseline", "--workspace.tags", f"{HOSTILE_TAG},sweep"))
         assert_ok(train("resumable.py", "wide", "--width", "64", "--optim.lr", "0.003", "--workspace.tags", "sweep"))
-        assert_ok(train("web_images.py", "images", IMAGE_EVERY="5"))
-        crash = train("web_images.py", "crash", FAIL_AT_STEP="12")
+        assert_ok(train("web_images.py", "images", "--seed", "3", IMAGE_EVERY="5"))
+        crash = train("web_images.py", "crash", "--seed", "5", FAIL_AT_STEP="12")
         assert crash.returncode != 0 and "deliberate failure" in crash.stderr + crash.stdout
 
         (live_dir,) = _wait_for_one(root, "live")

@@ -31,6 +31,19 @@ function smooth(values, weight) {
   });
 }
 
+/* Steps are whole numbers: tick spacings 1, 2, 5, 10, 20, 25, 50, ... */
+const STEP_INCREMENTS = [];
+for (let scale = 1; scale <= 1e12; scale *= 10) STEP_INCREMENTS.push(scale, 2 * scale, 2.5 * scale, 5 * scale);
+STEP_INCREMENTS.splice(STEP_INCREMENTS.indexOf(2.5), 1);
+
+/* An axis tick: at most 4 significant digits, no trailing zeros; exponent form for very small or large values. */
+function tick(value) {
+  if (value === null || value === undefined) return "";
+  const abs = Math.abs(value);
+  if (abs !== 0 && (abs < 1e-3 || abs >= 1e6)) return value.toExponential(1);
+  return String(Number(value.toPrecision(4)));
+}
+
 class CurveBoard {
   /* container: where the charts go; controls: {xAxis, smoothing, smoothingValue, logScale} elements. */
   constructor(container, controls) {
@@ -77,7 +90,7 @@ class CurveBoard {
     }
     if (!metrics.length) {
       this.container.replaceChildren(el("p", {class: "empty"}, this.runs.length
-        ? "The selected runs have logged no metrics yet." : "Select runs in the table to compare their curves."));
+        ? "No metrics logged yet." : "Select runs in the table to compare their curves."));
       return;
     }
     for (const node of [...this.container.children]) if (!node.classList.contains("chart")) node.remove();
@@ -141,7 +154,10 @@ class CurveBoard {
       width: this.width(),
       height: 240,
       scales: {x: {time: false}, y: settings.log ? {distr: 3} : {}},
-      axes: [{label: xLabel, labelSize: 18, size: 34}, {size: 64}],
+      axes: [
+        {label: xLabel, labelSize: 18, size: 34, incrs: settings.x === "step" ? STEP_INCREMENTS : undefined},
+        {size: 64, values: (u, splits) => splits.map(tick)},
+      ],
       cursor: {drag: {x: true, y: false}},
       legend: {live: true},
       series: [

@@ -49,14 +49,14 @@ function fmtBytes(bytes) {
   return `${unit ? value.toFixed(1) : value} ${units[unit]}`;
 }
 
-/* An ISO time as "YYYY-MM-DD HH:MM:SS" in local time; the ISO string itself in the title. */
+/* An ISO time as "YYYY-MM-DD HH:MM" in local time; the exact ISO string in the title. */
 function fmtTime(iso) {
   if (!iso) return el("span", {class: "muted"}, "–");
   const date = new Date(iso);
   if (Number.isNaN(date.getTime())) return el("span", {}, iso);
   const pad = (n) => String(n).padStart(2, "0");
   const text = `${date.getFullYear()}-${pad(date.getMonth() + 1)}-${pad(date.getDate())} ` +
-    `${pad(date.getHours())}:${pad(date.getMinutes())}:${pad(date.getSeconds())}`;
+    `${pad(date.getHours())}:${pad(date.getMinutes())}`;
   return el("span", {title: iso}, text);
 }
 

@@ -30,7 +30,7 @@ class MediaBoard {
     }
     if (!byTag.size) {
       this.container.replaceChildren(el("p", {class: "empty"}, this.runs.length
-        ? "The selected runs have logged no images." : "Select runs in the table to see their images."));
+        ? "No images logged (runs log them with runner.log_image)." : "Select runs in the table to see their images."));
       return;
     }
     for (const node of [...this.container.children]) if (!node.classList.contains("media-panel")) node.remove();

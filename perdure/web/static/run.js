@@ -15,10 +15,10 @@ let status = null;
 
 function table(headers, rows, numeric) {
   const numbers = new Set(numeric || []);
-  return el("table", {},
+  return el("div", {class: "scroll"}, el("table", {class: "data"},
     el("thead", {}, el("tr", {}, headers.map((header) => el("th", {}, header)))),
     el("tbody", {}, rows.map((cells) => el("tr", {}, cells.map((cell, i) =>
-      el("td", {class: numbers.has(i) ? "num" : null}, cell))))));
+      el("td", {class: numbers.has(i) ? "num" : null}, cell)))))));
 }
 
 function facts(pairs) {

@@ -9,8 +9,7 @@ const COLUMNS = [
   {key: "status", label: "status"},
   {key: "attempts", label: "attempts", num: true},
   {key: "step", label: "step / budget", num: true},
-  {key: "metric", label: "metric"},
-  {key: "metric_latest", label: "latest", num: true},
+  {key: "metric_latest", label: "metric: latest", num: true},
   {key: "metric_best", label: "best", num: true},
   {key: "checkpoint", label: "last checkpoint"},
   {key: "started", label: "started"},
@@ -81,8 +80,9 @@ function fillSelect(select, values) {
 function renderHead() {
   const row = el("tr", {}, COLUMNS.map((column) => {
     if (column.sort === null) return el("th", {});
-    const sorted = state.sort.key === column.key ? (state.sort.desc ? "sorted-desc" : "sorted-asc") : null;
-    return el("th", {"data-key": column.key, class: sorted, title: "sort", onclick: () => {
+    const sorted = state.sort.key === column.key ? (state.sort.desc ? "sorted-desc" : "sorted-asc") : "";
+    const classes = [sorted, column.num ? "num" : ""].join(" ").trim() || null;
+    return el("th", {"data-key": column.key, class: classes, title: "sort", onclick: () => {
       state.sort = {key: column.key, desc: state.sort.key === column.key ? !state.sort.desc : false};
       renderHead();
       renderTable();
@@ -102,18 +102,18 @@ function renderTable() {
     return el("tr", {class: selected ? "selected" : null, "data-id": row.id},
       el("td", {}, box),
       el("td", {}, row.lineage || "–"),
-      el("td", {class: "id"}, color, el("a", {href: row.url}, row.id)),
+      el("td", {class: "id", title: row.id}, color, el("a", {href: row.url}, row.id.split("/").pop()),
+        el("span", {class: "group"}, row.id.split("/")[0])),
       el("td", {}, badge(row.status)),
       el("td", {class: "num"}, fmtNum(row.attempts)),
       el("td", {class: "num"}, stepCell(row)),
-      el("td", {class: "mono"}, row.metric),
-      el("td", {class: "num"}, fmtNum(row.metric_latest)),
+      el("td", {class: "num"}, fmtNum(row.metric_latest), el("span", {class: "metric-name"}, row.metric)),
       el("td", {class: "num", title: row.metric_best_step !== null ? `at step ${row.metric_best_step}` : null},
         fmtNum(row.metric_best), row.metric_mode ? el("span", {class: "muted"}, ` ${row.metric_mode}`) : null),
-      el("td", {}, checkpointCell(row)),
+      el("td", {class: "nowrap"}, checkpointCell(row)),
       el("td", {class: "nowrap"}, fmtTime(row.started)),
       el("td", {class: "nowrap"}, fmtTime(row.updated)),
-      el("td", {}, tagList(row.tags)));
+      el("td", {class: "tags"}, tagList(row.tags)));
   });
   if (!body.length) {
     body.push(el("tr", {}, el("td", {colspan: COLUMNS.length, class: "empty"},
