@@ -10,7 +10,9 @@ directory changes (size, mtime or inode), so a page refresh does not re-hash gig
 from __future__ import annotations
 
 import os
+import queue
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,15 +40,23 @@ class Verification:
 
 
 class CheckpointVerifier:
-    """Verifies checkpoint directories under a workspace root, caching each result until the directory changes."""
+    """Verifies checkpoint directories under a workspace root, caching each result until the directory changes.
+
+    `check(deep=False, background=True)` answers at once from sizes (or from a cached checksum result) and queues
+    the checksum verification on one daemon thread, so a listing stays fast and the next one knows more.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root).resolve()
         self._cache = StatCache()
+        self._queue: queue.Queue[tuple[Path, tuple[Any, ...]]] = queue.Queue()
+        self._queued: set[tuple[Path, tuple[Any, ...]]] = set()
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
 
-    def check(self, path: Path, *, deep: bool) -> Verification:
+    def check(self, path: Path, *, deep: bool, background: bool = False) -> Verification:
         """Verify `path`: with `deep`, every file's checksum; else the manifest and the files' sizes. A cached deep
-        result also answers a shallow question."""
+        result also answers a shallow question; with `background`, a shallow answer queues the deep check."""
         try:
             resolved = inside(self.root, path)
         except Refused as refused:
@@ -56,7 +66,29 @@ class CheckpointVerifier:
             return Verification(False, problem, deep, _manifest_or_none(resolved))
         if not deep and (deep_hit := self._cache.peek((resolved, True), files)) is not None:
             return deep_hit
-        return self._cache.get((resolved, deep), files, lambda: _verify(resolved, deep))
+        result = self._cache.get((resolved, deep), files, lambda: _verify(resolved, deep))
+        if not deep and background and result.verified:
+            self._enqueue(resolved, files)
+        return result
+
+    def _enqueue(self, path: Path, files: tuple[Any, ...]) -> None:
+        with self._lock:
+            if (path, files) in self._queued:
+                return
+            self._queued.add((path, files))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="perdure-web-verify", daemon=True)
+                self._worker.start()
+        self._queue.put((path, files))
+
+    def _work(self) -> None:
+        while True:
+            path, files = self._queue.get()
+            try:
+                self.check(path, deep=True)
+            finally:
+                with self._lock:
+                    self._queued.discard((path, files))
 
 
 def _verify(path: Path, deep: bool) -> Verification:

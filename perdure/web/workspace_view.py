@@ -94,7 +94,7 @@ class WorkspaceView:
         metric, mode = _score_metric(record)
         entry = record.summary.get(metric) or {}
         checkpoint = record.latest_checkpoint
-        verified, problem = self._latest_verified(record.path, checkpoint)
+        verified, problem, checked = self._latest_verified(record.path, checkpoint)
         return {
             "id": run_id,
             "url": f"/runs/{run_url(run_id)}",
@@ -116,20 +116,24 @@ class WorkspaceView:
             "checkpoint": checkpoint,
             "checkpoint_verified": verified,
             "checkpoint_problem": problem,
+            "checkpoint_checked": checked,
             "started": iso(record.created),
             "updated": iso(record.updated),
             "tags": record.tags,
             "summary": record.summary,
         }
 
-    def _latest_verified(self, run_dir: Path, name: str | None) -> tuple[bool | None, str | None]:
-        """Whether the run's latest checkpoint verifies (sizes, or checksums if already hashed); None if none."""
+    def _latest_verified(self, run_dir: Path, name: str | None) -> tuple[bool | None, str | None, str | None]:
+        """(verifies, problem, what was compared: "sizes" or "checksums") for the run's latest checkpoint.
+
+        Answered from sizes at once, or from checksums once the background check (queued here) has hashed it.
+        """
         if not name:
-            return None, None
+            return None, None, None
         if not CHECKPOINT_PATTERN.match(name):
-            return False, "the sidecar names no checkpoint directory"
-        result = self.verifier.check(run_dir / CHECKPOINTS_DIR / name, deep=False)
-        return result.verified, result.problem
+            return False, "the sidecar names no checkpoint directory", None
+        result = self.verifier.check(run_dir / CHECKPOINTS_DIR / name, deep=False, background=True)
+        return result.verified, result.problem, "checksums" if result.deep else "sizes"
 
     # ---- one run -------------------------------------------------------------------------------------------
 

@@ -77,8 +77,9 @@ function stepCell(row) {
 
 function checkpointCell(row) {
   if (!row.checkpoint) return el("span", {class: "muted"}, "none");
+  const checked = row.checkpoint_checked === "checksums" ? "checksums verified" : "sizes match (checksums pending)";
   const mark = row.checkpoint_verified
-    ? el("span", {class: "ok", title: "manifest verifies"}, " \u2713")
+    ? el("span", {class: "ok", title: checked}, " \u2713")
     : el("span", {class: "bad", title: row.checkpoint_problem || "does not verify"}, " \u2717");
   return el("span", {class: "mono"}, row.checkpoint, mark);
 }
