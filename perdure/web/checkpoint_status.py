@@ -127,11 +127,12 @@ def _walk(path: Path) -> tuple[tuple[Any, ...], str | None]:
     return tuple(entries), None
 
 
-def checkpoint_table(run_dir: Path, verifier: CheckpointVerifier, *, deep: bool = True) -> dict[str, Any]:
+def checkpoint_table(run_dir: Path, verifier: CheckpointVerifier) -> dict[str, Any]:
     """The checkpoints of a run: `{"latest", "best", "checkpoints": [...], "quarantined": [...], "in_flight": [...]}`.
 
     Each checkpoint, newest first: name, step, epoch, reason (why it was saved), created, files, size, verified,
-    problem, the `latest` / `best` flags and the rest of its manifest. Quarantined entries carry the reason and time
+    problem, `checked` ("sizes" until the background checksum verification is done, then "checksums"), the
+    `latest` / `best` flags and the rest of its manifest. Quarantined entries carry the reason and time
     from their REASON.txt; `in_flight` lists staging directories (a save in progress, or an interrupted one).
     """
     root = run_dir / CHECKPOINTS_DIR
@@ -142,7 +143,7 @@ def checkpoint_table(run_dir: Path, verifier: CheckpointVerifier, *, deep: bool 
     latest, best = _pointer(root, "latest"), _pointer(root, "best")
     checkpoints = []
     for path in committed_checkpoints(root):
-        result = verifier.check(path, deep=deep)
+        result = verifier.check(path, deep=False, background=True)
         checkpoints.append(_describe(path.name, result, latest=latest, best=best))
     in_flight = sorted(entry.name for entry in _entries(root) if entry.name.startswith(STAGING_PREFIX))
     return {

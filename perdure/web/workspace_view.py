@@ -139,7 +139,7 @@ class WorkspaceView:
 
     def run(self, run_id: str) -> dict[str, Any]:
         """Everything the run page shows: the table row, config and its diff, git state, attempts, checkpoints
-        (each verified with checksums) and the log files (their tails come from `log`)."""
+        (verified from sizes at once, by checksums in the background) and the log files (tails come from `log`)."""
         record, path = self.record(run_id)
         history, problem = attempts(self.root, path)
         return {
@@ -149,7 +149,7 @@ class WorkspaceView:
             "config": self.metadata.config(path),
             "attempt_list": history,
             "attempts_problem": problem,
-            "checkpoints": checkpoint_table(path, self.verifier, deep=True),
+            "checkpoints": checkpoint_table(path, self.verifier),
             "logs": log_files(self.root, path),
         }
 

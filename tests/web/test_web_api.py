@@ -54,6 +54,11 @@ def test_run_page_data(web_workspace):
     assert set(run["config"]["git"]) >= {"commit", "code_id", "branch", "dirty"}
     (attempt,) = run["attempt_list"]
     assert (attempt["status"], attempt["exit_reason"], attempt["steps_lost"]) == ("completed", "budget reached", 0)
+    deadline = time.monotonic() + 60  # sizes at once, checksums once the background verification is through
+    while not all(c["checked"] == "checksums" for c in run["checkpoints"]["checkpoints"]):
+        assert all(c["verified"] for c in run["checkpoints"]["checkpoints"]) and time.monotonic() < deadline
+        time.sleep(0.1)
+        run = api(web_workspace.url, f"/api/runs/{path_of(web_workspace, 'baseline')}")
     checkpoints = run["checkpoints"]["checkpoints"]
     assert [c["name"] for c in checkpoints] == [f"ckpt-s{step:012d}" for step in (30, 20, 10)]
     assert all(c["verified"] and c["checked"] == "checksums" for c in checkpoints)

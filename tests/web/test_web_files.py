@@ -106,8 +106,9 @@ def test_checkpoint_verification_tampering_quarantine_and_symlinks(web_workspace
         assert latest["checkpoint_verified"] is True and time.monotonic() < deadline
         time.sleep(0.05)
     assert (latest["checkpoint_verified"], latest["checkpoint_problem"]) == (False, "state.pth: checksum mismatch")
-    table = view.run(run_id)["checkpoints"]["checkpoints"]
-    assert (table[0]["verified"], table[0]["problem"]) == (False, "state.pth: checksum mismatch")
+    newest = view.run(run_id)["checkpoints"]["checkpoints"][0]
+    assert (newest["verified"], newest["checked"]) == (False, "checksums")
+    assert newest["problem"] == "state.pth: checksum mismatch"
 
     (checkpoints / "ckpt-s000000000020" / "extra").symlink_to(web_workspace.secret)
     quarantine(checkpoints / "ckpt-s000000000030", "state.pth: checksum mismatch")

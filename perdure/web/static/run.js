@@ -12,6 +12,7 @@ const curves = new CurveBoard($("charts"), {
 });
 const images = new MediaBoard($("media"));
 let status = null;
+let pending = false;  // some checkpoint is verified by sizes only, its checksums are still being compared
 
 function table(headers, rows, numeric) {
   const numbers = new Set(numeric || []);
@@ -171,6 +172,7 @@ async function loadLog() {
 async function load() {
   const [run, metrics, media] = await Promise.all([getJSON(API), getJSON(`${API}/metrics`), getJSON(`${API}/media`)]);
   status = run.status;
+  pending = run.checkpoints.checkpoints.some((c) => c.verified && c.checked !== "checksums");
   renderSummary(run);
   curves.setRuns([{id: run.id, color: COLOR, metrics: metrics.metrics}]);
   images.setRuns([{id: run.id, color: COLOR, media: media.media}]);
@@ -188,5 +190,6 @@ function showError(error) {
 }
 
 $("log-file").addEventListener("change", () => loadLog().catch(showError));
-setInterval(() => { if ($("live").checked && status === "running") load().catch(showError); }, 5000);
+/* Refresh while the run trains, and until every checkpoint's checksums have been verified (in the background). */
+setInterval(() => { if ($("live").checked && (status === "running" || pending)) load().catch(showError); }, 3000);
 load().catch(showError);
