@@ -184,8 +184,10 @@ def test_browse_compare_step_through_images_and_open_a_run(web_workspace, browse
     row(d, ids["baseline"]).find_element(By.CSS_SELECTOR, "td.id a").click()
     wait(d, lambda d: d.find_elements(By.CSS_SELECTOR, "#checkpoint-list tbody tr"), "the run page")
     assert ids["baseline"] in d.find_element(By.ID, "title").text
-    checkpoints = d.find_elements(By.CSS_SELECTOR, "#checkpoint-list tbody tr")
-    assert len(checkpoints) == 3 and all("\u2713 checksums" in tr.text for tr in checkpoints)
+    rows = "return [...document.querySelectorAll('#checkpoint-list tbody tr')].map((tr) => tr.textContent)"
+    # Sizes are compared at once, checksums in the background: the page refreshes until they are through.
+    wait(d, lambda d: all("\u2713 checksums" in row for row in d.execute_script(rows)), "checksums verified")
+    assert len(d.execute_script(rows)) == 3
     assert "budget reached" in d.find_element(By.ID, "attempt-list").text
     assert "steps" in d.find_element(By.ID, "config-body").text
     assert "commit" in d.find_element(By.ID, "git-body").text

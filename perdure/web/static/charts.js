@@ -45,17 +45,31 @@ function tick(value) {
 }
 
 class CurveBoard {
-  /* container: where the charts go; controls: {xAxis, smoothing, smoothingValue, logScale} elements. */
-  constructor(container, controls) {
-    this.container = container;
-    this.controls = controls;
+  /* Builds its controls (x axis, smoothing, log scale) and a grid of charts inside `host`. */
+  constructor(host) {
+    const option = (value, text) => el("option", {value}, text);
+    this.controls = {
+      xAxis: el("select", {"aria-label": "x axis"}, option("step", "step"), option("time", "training time (s)")),
+      smoothing: el("input", {type: "range", min: 0, max: 0.99, step: 0.01, value: 0, "aria-label": "smoothing"}),
+      smoothingValue: el("span", {class: "mono"}, "0.00"),
+      logScale: el("input", {type: "checkbox", "aria-label": "log scale"}),
+    };
+    const c = this.controls;
+    this.container = el("div", {class: "charts"});
+    host.replaceChildren(
+      el("div", {class: "controls"},
+        el("label", {}, "x axis ", c.xAxis),
+        el("label", {title: "exponential moving average, as TensorBoard smooths"}, "smoothing ", c.smoothing),
+        c.smoothingValue,
+        el("label", {}, c.logScale, " log scale")),
+      this.container);
     this.runs = [];
-    this.charts = new Map();  // metric -> {plot, signature}
+    this.charts = new Map();  // metric -> {plot, box, signature}
     const rerender = () => this.render(true);
-    controls.xAxis.addEventListener("change", rerender);
-    controls.logScale.addEventListener("change", rerender);
-    controls.smoothing.addEventListener("input", () => {
-      controls.smoothingValue.textContent = Number(controls.smoothing.value).toFixed(2);
+    c.xAxis.addEventListener("change", rerender);
+    c.logScale.addEventListener("change", rerender);
+    c.smoothing.addEventListener("input", () => {
+      c.smoothingValue.textContent = Number(c.smoothing.value).toFixed(2);
       this.render(false);
     });
     window.addEventListener("resize", () => this.resize());

@@ -7,9 +7,7 @@ const $ = (id) => document.getElementById(id);
 const RUN_ID = location.pathname.split("/").slice(2).map(decodeURIComponent).join("/");
 const API = `/api/runs/${runPath(RUN_ID)}`;
 const COLOR = PALETTE[0];
-const curves = new CurveBoard($("charts"), {
-  xAxis: $("x-axis"), smoothing: $("smoothing"), smoothingValue: $("smoothing-value"), logScale: $("log-scale"),
-});
+const curves = new CurveBoard($("charts"));
 const images = new MediaBoard($("media"));
 let status = null;
 let pending = false;  // some checkpoint is verified by sizes only, its checksums are still being compared

@@ -27,9 +27,7 @@ const state = {
 };
 
 const $ = (id) => document.getElementById(id);
-const curves = new CurveBoard($("charts"), {
-  xAxis: $("x-axis"), smoothing: $("smoothing"), smoothingValue: $("smoothing-value"), logScale: $("log-scale"),
-});
+const curves = new CurveBoard($("charts"));
 const images = new MediaBoard($("media"));
 
 function readSelection() {
