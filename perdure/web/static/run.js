@@ -64,14 +64,22 @@ function renderSummary(run) {
   ]));
 }
 
+/* The manifest's other facts (backend, world size, score, ...) as "key value" pairs. */
+function manifestFacts(manifest) {
+  const shown = new Set(["name", "global_step", "epoch", "reason", "created", "config_id", "code_id"]);
+  return Object.entries(manifest || {}).filter(([key]) => !shown.has(key))
+    .map(([key, value]) => `${key} ${typeof value === "number" ? fmtNum(value) : plain(value)}`).join(" \u00b7 ");
+}
+
 function renderCheckpoints(info) {
   const parts = [];
   if (info.checkpoints.length) {
-    parts.push(table(["name", "step", "epoch", "saved because", "created", "files", "size", "verified", ""],
+    parts.push(table(["name", "step", "epoch", "saved because", "created", "files", "size", "verified", "manifest", ""],
       info.checkpoints.map((c) => [
         el("span", {class: "mono"}, c.name),
         fmtNum(c.step), fmtNum(c.epoch), c.reason || "–", c.created || "–", fmtNum(c.files), fmtBytes(c.size),
         c.verified ? el("span", {class: "ok"}, `\u2713 ${c.checked}`) : el("span", {class: "bad"}, `\u2717 ${c.problem}`),
+        el("span", {class: "muted"}, manifestFacts(c.manifest)),
         [c.latest ? el("span", {class: "tag"}, "latest") : null, c.best ? el("span", {class: "tag"}, "best") : null],
       ]), [1, 2, 5, 6]));
   } else {
