@@ -1,4 +1,5 @@
-"""The `perdure` command: `perdure runs ...` (the run registry) and `perdure ckpt ...` (checkpoints)."""
+"""The `perdure` command: `perdure runs ...` (the run registry), `perdure ckpt ...` (checkpoints) and `perdure web`
+(the run viewer)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from perdure.errors import PerdureError
 from perdure.safe_io import echo
 
 # Each subcommand module exposes `add_parser(subparsers)`; the parser it adds sets `handler(args) -> int`.
-SUBCOMMANDS = {"runs": "perdure.cli.runs", "ckpt": "perdure.cli.ckpt"}
+SUBCOMMANDS = {"runs": "perdure.cli.runs", "ckpt": "perdure.cli.ckpt", "web": "perdure.cli.web"}
 
 
 def build_parser() -> argparse.ArgumentParser:
