@@ -1,4 +1,5 @@
-"""The `perdure` command: `perdure runs ...` (the run registry) and `perdure ckpt ...` (checkpoints)."""
+"""The `perdure` command: `perdure runs ...` (the run registry), `perdure ckpt ...` (checkpoints) and
+`perdure sweep ...` (job matrices, locally or on SLURM)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from collections.abc import Sequence
 from perdure.errors import PerdureError
 
 # Each subcommand module exposes `add_parser(subparsers)`; the parser it adds sets `handler(args) -> int`.
-SUBCOMMANDS = {"runs": "perdure.cli.runs", "ckpt": "perdure.cli.ckpt"}
+SUBCOMMANDS = {"runs": "perdure.cli.runs", "ckpt": "perdure.cli.ckpt", "sweep": "perdure.cli.sweep"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="perdure", description="Inspect perdure runs and checkpoints.")
+    parser = argparse.ArgumentParser(prog="perdure", description="Inspect perdure runs and checkpoints; run sweeps.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS.values():
         importlib.import_module(module).add_parser(subparsers)
