@@ -7,9 +7,9 @@
 #
 # DIR defaults to /tmp/perdure-slurm. After `start`, point the SLURM commands at the cluster with
 #   export SLURM_CONF=DIR/slurm.conf          (start prints this line; DIR/env holds it too)
-# Everything is private to DIR: its own munged (socket DIR/munge/munge.socket), its own ports (the first free pair
-# from 6817 up), its own state, so two clusters (two test sessions) can run side by side and `stop` never touches
-# a daemon it did not start. Needs root (slurmd runs jobs as their user) and no systemd: the daemons run in the
+# Everything is private to the cluster: its own munged (socket in /tmp/perdure-munge.*, named in DIR/munge.dir),
+# its own ports (the first free pair from 6817 up), its own state, so two clusters (two test sessions) can run side
+# by side and `stop` never touches a daemon it did not start. Needs root (slurmd runs jobs as their user) and no systemd: the daemons run in the
 # foreground (-F / -D) in their own sessions, and their PIDs are recorded and checked before they are signalled.
 #
 # Tuned so that requeue and preemption take seconds, not minutes (measured in /work/shared/slurm-local-cluster.md):
@@ -68,6 +68,9 @@ do_stop() {
     fi
     rm -f "$D/$name.bgpid"
   done
+  mdir=$(cat "$D/munge.dir" 2>/dev/null) || true
+  case "$mdir" in /tmp/perdure-munge.*) rm -rf "$mdir" ;; esac
+  rm -f "$D/munge.dir"
   return 0
 }
 
@@ -89,21 +92,29 @@ do_start() {
     [ "$port" -gt 6999 ] && { echo "no two free ports between 6817 and 7000" >&2; return 1; }
   done
 
-  # munge: a private daemon and socket, so stopping this cluster never stops someone else's munged
-  socket="$D/munge/munge.socket"
-  [ ${#socket} -lt 100 ] || { echo "DIR is too long for a unix socket path: $socket" >&2; return 1; }
+  # munge: a private daemon and socket, so stopping this cluster never stops someone else's munged. Its
+  # directory lives under /tmp (DIR may sit under a 0700 directory the munge user cannot enter), recorded in
+  # DIR/munge.dir so that stop removes it.
   if [ ! -s /etc/munge/munge.key ]; then
     mungekey --create --keyfile=/etc/munge/munge.key
     chown munge:munge /etc/munge/munge.key
     chmod 400 /etc/munge/munge.key
   fi
-  install -d -o munge -g munge -m 755 "$D/munge" # munged wants the socket dir executable by all
+  mdir=$(mktemp -d /tmp/perdure-munge.XXXXXX)
+  echo "$mdir" >"$D/munge.dir"
+  chown munge:munge "$mdir"
+  chmod 755 "$mdir" # munged wants the socket dir executable by all
+  socket="$mdir/munge.socket"
   # setpriv execs munged, so $! is munged's own PID (-F: foreground)
   setsid setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged -F --socket="$socket" \
-    --pid-file="$D/munge/munged.pid" --seed-file="$D/munge/munged.seed" --log-file="$D/munge/munged.log" \
+    --pid-file="$mdir/munged.pid" --seed-file="$mdir/munged.seed" --log-file="$mdir/munged.log" \
     >"$D/log/munged.out" 2>&1 </dev/null &
   echo $! >"$D/munged.bgpid"
-  for _ in $(seq 1 100); do munge -S "$socket" -n 2>/dev/null | unmunge -S "$socket" >/dev/null 2>&1 && break; sleep 0.1; done
+  for _ in $(seq 1 100); do
+    munge -S "$socket" -n 2>/dev/null | unmunge -S "$socket" >/dev/null 2>&1 && break
+    [ -n "$(recorded_pid munged)" ] || break # it died: no point waiting
+    sleep 0.1
+  done
   if ! munge -S "$socket" -n | unmunge -S "$socket" >/dev/null; then
     echo "munged did not start:" >&2
     cat "$D/log/munged.out" >&2
