@@ -285,3 +285,21 @@ def test_gpu_slots_and_cancel_of_a_running_job(tmp_path):
     for row in rows(sweep_dir).values():
         assert (row.state, row.attempts, row.exit_code) == ("cancelled", 1, 143)
     assert sorted(row.slot for row in rows(sweep_dir).values()) == ["gpu0", "gpu1"]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_at_the_dispatcher_preempts_its_jobs(tmp_path):
+    """SIGINT (Ctrl-C) reaches only the dispatcher (jobs run in their own sessions); it forwards it, and a job that
+    stops on it is preempted, not failed."""
+    log = tmp_path / "echo.jsonl"
+    matrix = write_matrix(tmp_path / "m.yaml", echo_command(), jobs=[{"n": 1}], env={"ECHO_LOG": str(log)})
+    sweep_dir = tmp_path / "sweep"
+    assert main(["sweep", "init", str(sweep_dir), str(matrix)]) == 0
+    env = environment(ECHO_SLEEP="30")
+    dispatcher = start_sweep("run", str(sweep_dir), "--slots", "1", "--poll", "0.1", env=env)
+    wait_for(lambda: log.exists(), 60, "the job started")
+    dispatcher.send_signal(signal.SIGINT)
+    code, output = finish(dispatcher, timeout=60)
+    assert code == 128 + signal.SIGINT, output
+    (row,) = rows(sweep_dir).values()
+    assert (row.state, row.exit_code, row.attempts) == ("preempted", -signal.SIGINT, 1), row.note

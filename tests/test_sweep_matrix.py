@@ -213,10 +213,11 @@ def test_status_json_has_exactly_the_documented_shape(tmp_path, capsys):
 def test_retry_and_cancel_rules(tmp_path, capsys):
     sweep_dir = _valid_sweep(tmp_path)
     one, two = job_id({"seed": 1}), job_id({"seed": 2})
+    live = DispatcherHeartbeat(sweep_dir)  # this test process plays a live dispatcher
     with locked_state(sweep_dir) as state:
-        state.job(one).start_attempt(host="h", slot="slot0", dispatcher="d")
+        state.job(one).start_attempt(host="h", slot="slot0", dispatcher=live.id)
         state.job(one).finish_attempt(2)
-        state.job(two).start_attempt(host="h", slot="slot1", dispatcher="d")
+        state.job(two).start_attempt(host="h", slot="slot1", dispatcher=live.id)
     assert main(["sweep", "retry", str(sweep_dir)]) == 2
     assert "job ids, or --failed" in capsys.readouterr().err
     assert main(["sweep", "retry", str(sweep_dir), two]) == 2
@@ -231,6 +232,11 @@ def test_retry_and_cancel_rules(tmp_path, capsys):
     assert "nothing to cancel" in capsys.readouterr().out
     assert main(["sweep", "retry", str(sweep_dir), one]) == 0
     assert rows(sweep_dir)[one].state == "queued"
+    assert main(["sweep", "retry", str(sweep_dir), two]) == 2  # cancelled, but its live dispatcher still stops it
+    assert "still running" in capsys.readouterr().err
+    live.remove()  # that dispatcher is gone (and so is its job): the row can be retried
+    assert main(["sweep", "retry", str(sweep_dir), two]) == 0
+    assert (rows(sweep_dir)[two].state, rows(sweep_dir)[two].dispatcher) == ("queued", None)
 
 
 def test_exit_codes_map_to_states():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from perdure.cli.runs import table
 from perdure.sweep.dispatcher import Dispatcher, make_slots
+from perdure.sweep.liveness import dispatcher_alive, hostname, process_alive
 from perdure.sweep.matrix import SweepError, load_matrix
 from perdure.sweep.slurm import DEFAULT_SIGNAL_BEFORE_S, cancel_slurm, run_task, submit
 from perdure.sweep.state import FINAL, JOB_STATES, init_sweep, locked_state, read_state
@@ -158,8 +159,11 @@ def cmd_retry(args: argparse.Namespace) -> int:
         if args.failed:
             rows += [row for row in state.jobs if row.state == "failed" and row not in rows]
         for row in rows:
-            if row.state == "running" or row.dispatcher is not None:
+            local = row.slurm_job is None and (row.state == "running" or row.dispatcher is not None)
+            if local and dispatcher_alive(args.dir, row.dispatcher or ""):
                 raise SweepError(f"job {row.id} is {row.state} (still running): cancel it and wait for it to stop")
+            if local and row.host == hostname() and process_alive(row.pid, row.pid_start):
+                raise SweepError(f"job {row.id}: its process {row.pid} is still stopping; retry once it has exited")
             if row.slurm_job is not None and row.state not in FINAL:
                 raise SweepError(f"job {row.id} is with SLURM as {row.slurm_job}: cancel it first")
         for row in rows:

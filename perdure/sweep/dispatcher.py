@@ -8,7 +8,8 @@ free slots and starts them. Several dispatchers on several hosts can drain one s
 only under the lock, so no job runs twice.
 
 SIGTERM, SIGINT or SIGUSR1 to the dispatcher: it claims nothing more, forwards the signal to its jobs (perdure
-saves and exits 128+signal), waits for them, records them as preempted and exits 128+signal. Rows left preempted
+saves and exits 128+signal; a second SIGINT, forwarded too, makes perdure exit at once), waits for them (killing
+those still there after `STOP_GRACE_S`), records them as preempted and exits 128+signal. Rows left preempted
 are continued by the next dispatcher (or by this sweep submitted to SLURM).
 """
 
@@ -90,6 +91,7 @@ class Dispatcher:
         self._stop_signal: int | None = None
         self._stop_deadline = 0.0
         self._cancelling: set[str] = set()
+        self._forwarded: set[int] = set()  # signals sent to jobs: exiting of one of them is a preemption
         self.heartbeat: DispatcherHeartbeat | None = None
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -150,6 +152,7 @@ class Dispatcher:
         for job_id, (job, slot) in list(self.jobs.items()):
             if killed_late and job.poll() is None:
                 self.say(f"{job_id}: did not exit within {STOP_GRACE_S:.0f} s of the stop signal; killing it")
+                self._forwarded.add(signal.SIGKILL)
                 job.signal(signal.SIGKILL)
                 job.wait()
             code = job.poll()
@@ -160,10 +163,9 @@ class Dispatcher:
             row.run_dir = job.find_run_dir() or row.run_dir
             if row.dispatcher != self.heartbeat.id:  # taken from us (a hand-edited state): record nothing
                 continue
-            row.finish_attempt(code, retries=self.retries)
-            if killed_late and row.state == "failed":
-                row.state, row.failures = "preempted", row.failures - 1
-                row.note = f"killed after {STOP_GRACE_S:.0f} s without exiting; continues from its last checkpoint"
+            row.finish_attempt(code, retries=self.retries, forwarded=self._forwarded)
+            if killed_late:
+                row.note = f"killed {STOP_GRACE_S:.0f} s after the stop signal; it continues from its last checkpoint"
             self.say(f"{job_id}: {row.state} ({row.note}) on {slot.name}")
 
     def _record_run_dirs(self, state: SweepState) -> None:
@@ -181,6 +183,7 @@ class Dispatcher:
 
     def _forward_signals(self) -> None:
         for signum in self._signals:
+            self._forwarded.add(signum)
             name = signal.Signals(signum).name
             self.say(f"received {name}: forwarding it to {len(self.jobs)} job(s), starting nothing new")
             for job, _ in self.jobs.values():

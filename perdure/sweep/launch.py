@@ -39,6 +39,8 @@ CANNOT_START = 127
 def open_log(path: Path) -> int:
     """Open `path` for appending: never through a symlink, only a regular file. Returns the descriptor."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent.is_symlink():
+        raise SweepError(f"{path.parent} is a symlink: perdure does not write through links in a sweep dir")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as error:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
 import time
@@ -24,6 +25,7 @@ from perdure.workspace.sidecar import utc_stamp
 DISPATCHERS_DIR = "dispatchers"
 STALE_AFTER_S = 60.0
 _MAX_RECORD_BYTES = 4096
+_DISPATCHER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
 def hostname() -> str:
@@ -71,6 +73,8 @@ class DispatcherHeartbeat:
         self.id = f"{self.host}-{self.pid}-{secrets.token_hex(3)}"
         self.path = Path(sweep_dir) / DISPATCHERS_DIR / f"{self.id}.json"
         self.path.parent.mkdir(exist_ok=True)
+        if self.path.parent.is_symlink():
+            raise SweepError(f"{self.path.parent} is a symlink: perdure does not write through links in a sweep dir")
         record = {"id": self.id, "host": self.host, "pid": self.pid, "pid_start": process_start_time(self.pid)}
         record["started"] = utc_stamp()
         atomic_write_text(self.path, json.dumps(record) + "\n")
@@ -84,7 +88,7 @@ class DispatcherHeartbeat:
 
 def read_dispatcher(sweep_dir: str | os.PathLike, dispatcher_id: str) -> tuple[DispatcherRecord, float] | None:
     """The record and heartbeat (mtime) of a dispatcher, or None if it left no (readable) record."""
-    if "/" in dispatcher_id or dispatcher_id.startswith("."):
+    if not _DISPATCHER_ID.match(dispatcher_id):
         return None
     path = Path(sweep_dir) / DISPATCHERS_DIR / f"{dispatcher_id}.json"
     try:

@@ -22,7 +22,7 @@ import os
 import signal
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -79,9 +79,10 @@ class JobRow:
         self.started, self.ended, self.exit_code, self.pid, self.pid_start = utc_stamp(), None, None, None, None
         self.note = f"attempt {self.attempts} started"
 
-    def finish_attempt(self, exit_code: int, *, retries: int = 0) -> None:
+    def finish_attempt(self, exit_code: int, *, retries: int = 0, forwarded: Collection[int] = ()) -> None:
         """The job exited: done (0), preempted (perdure's preemption exit; claimable again at once), or failed,
-        requeued while `failures <= retries`. A row cancelled meanwhile stays cancelled."""
+        requeued while `failures <= retries`. A row cancelled meanwhile stays cancelled. `forwarded`: signals the
+        launcher sent to stop the job; dying of one, or exiting 128 + it, also counts as preempted."""
         self.exit_code, self.ended, self.pid, self.pid_start = exit_code, utc_stamp(), None, None
         self.dispatcher = None
         how = describe_exit(exit_code)
@@ -89,7 +90,7 @@ class JobRow:
             self.note = f"cancelled; {how}"
         elif exit_code == 0:
             self.state, self.note = "done", how
-        elif exit_code in PREEMPTED_EXITS:
+        elif exit_code in PREEMPTED_EXITS or any(exit_code in (128 + sig, -sig) for sig in forwarded):
             self.state, self.note = "preempted", f"{how}, requeued"
         else:
             self.failures += 1
