@@ -67,7 +67,7 @@ def concurrency(output: str) -> int:
         if ": started attempt" in line:
             running += 1
             peak = max(peak, running)
-        elif re.search(r": (done|failed|preempted|queued|cancelled) \(", line):
+        elif re.search(r": (done|failed|preempted|queued|cancelled) on ", line):
             running -= 1
     return peak
 
@@ -161,7 +161,7 @@ def test_two_dispatchers_never_run_a_job_twice(tmp_path):
     dispatchers = [start_sweep("run", str(sweep_dir), "--slots", "1", "--poll", "0.05") for _ in range(2)]
     outputs = [finish(process, timeout=240) for process in dispatchers]
     assert [code for code, _ in outputs] == [0, 0], outputs
-    claims = [re.findall(r"^(\S+): started attempt", output, re.M) for _, output in outputs]
+    claims = [re.findall(r"^\S+ (\S+): started attempt", output, re.M) for _, output in outputs]
     assert all(claims), f"each dispatcher ran jobs: {claims}"
     assert sorted(claims[0] + claims[1]) == sorted(rows(sweep_dir)), "every job claimed exactly once"
     for row in rows(sweep_dir).values():

@@ -84,7 +84,7 @@ class Dispatcher:
         self.sweep_dir = Path(sweep_dir)
         self.slots = list(slots)
         self.retries, self.poll, self.forever, self.stale_after = retries, poll, forever, stale_after
-        self.say = say or (lambda line: print(line, flush=True))
+        self.say = say or (lambda line: print(f"{time.strftime('%H:%M:%S')} {line}", flush=True))
         self.host = hostname()
         self.jobs: dict[str, tuple[JobProcess, Slot]] = {}
         self._signals: list[int] = []  # received, not yet forwarded
@@ -166,7 +166,7 @@ class Dispatcher:
             row.finish_attempt(code, retries=self.retries, forwarded=self._forwarded)
             if killed_late:
                 row.note = f"killed {STOP_GRACE_S:.0f} s after the stop signal; it continues from its last checkpoint"
-            self.say(f"{job_id}: {row.state} ({row.note}) on {slot.name}")
+            self.say(f"{job_id}: {row.state} on {slot.name}: {row.note}")
 
     def _record_run_dirs(self, state: SweepState) -> None:
         for job_id, (job, _) in self.jobs.items():

@@ -95,7 +95,7 @@ class JobRow:
         else:
             self.failures += 1
             if self.failures <= retries:
-                self.state, self.note = "queued", f"{how}, failed: retry {self.failures} of {retries}"
+                self.state, self.note = "queued", f"{how}, retry {self.failures} of {retries}"
             else:
                 self.state, self.note = "failed", how + (f", failed {self.failures} times" if retries else "")
 
