@@ -28,6 +28,20 @@ def training_command(root: Path, *args: str) -> list[str]:
     return [sys.executable, str(SCRIPTS / "sweep_job.py"), "--workspace.root", str(root), *args]
 
 
+def training_sweep(tmp: Path, *, steps: int, step_sleep: float, seeds: list[int], env: dict | None = None) -> Path:
+    """`tmp/sweep`: sweep_job.py jobs over `seeds` (workspace `tmp/runs`, losses in `tmp/losses/<job>.jsonl`)."""
+    (tmp / "losses").mkdir()
+    matrix = write_matrix(
+        tmp / "m.yaml",
+        training_command(tmp / "runs", "--steps", str(steps), "--log.interval", "5"),
+        grid={"seed": seeds},
+        env={"STEP_SLEEP": str(step_sleep), "LOSS_LOG": str(tmp / "losses" / "{job}.jsonl")},
+    )
+    result = sweep("init", str(tmp / "sweep"), str(matrix), env=env)
+    assert result.returncode == 0, result.stderr
+    return tmp / "sweep"
+
+
 def echo_command() -> list[str]:
     return [sys.executable, str(SCRIPTS / "sweep_echo.py")]
 

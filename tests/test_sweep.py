@@ -29,6 +29,7 @@ from tests.sweeps import (
     status_json,
     sweep,
     training_command,
+    training_sweep,
     wait_for,
     write_matrix,
 )
@@ -174,15 +175,7 @@ def test_two_dispatchers_never_run_a_job_twice(tmp_path):
 def test_stopped_and_killed_dispatchers(tmp_path):
     """SIGTERM to a dispatcher: its jobs save and it exits 143, rows preempted. SIGKILL to the next one: its jobs
     get SIGTERM from the kernel (they die with it), save, and a third dispatcher requeues and finishes them."""
-    (tmp_path / "losses").mkdir()
-    matrix = write_matrix(
-        tmp_path / "m.yaml",
-        training_command(tmp_path / "runs", "--steps", "40", "--log.interval", "5"),
-        grid={"seed": [1, 2, 3]},
-        env={"STEP_SLEEP": "0.1", "LOSS_LOG": str(tmp_path / "losses" / "{job}.jsonl")},
-    )
-    sweep_dir = tmp_path / "sweep"
-    assert sweep("init", str(sweep_dir), str(matrix)).returncode == 0
+    sweep_dir = training_sweep(tmp_path, steps=40, step_sleep=0.1, seeds=[1, 2, 3])
 
     def training(attempt: int) -> list[str]:
         """Jobs whose log shows `attempt` starts of training (the run dir line)."""

@@ -19,7 +19,7 @@ import pytest
 
 from perdure.sweep.slurm import slurm_view
 from tests.runs import REPO, environment
-from tests.sweeps import rows, sidecar, status_json, sweep, training_command, wait_for, write_matrix
+from tests.sweeps import rows, sidecar, status_json, sweep, training_sweep, wait_for
 from tests.test_sweep import assert_bit_equal, reference_run
 
 CLUSTER = REPO / "scripts" / "slurm-local-cluster.sh"
@@ -70,15 +70,7 @@ def slurm_command(env: dict[str, str], *args: str) -> str:
 @pytest.mark.timeout(420)
 def test_array_with_preemption_and_requeue(slurm, tmp_path, monkeypatch):
     env = slurm
-    (tmp_path / "losses").mkdir()
-    matrix = write_matrix(
-        tmp_path / "m.yaml",
-        training_command(tmp_path / "runs", "--steps", "80", "--log.interval", "5"),
-        grid={"seed": [1, 2, 3]},
-        env={"STEP_SLEEP": "0.2", "LOSS_LOG": str(tmp_path / "losses" / "{job}.jsonl")},
-    )
-    sweep_dir = tmp_path / "sweep"
-    assert sweep("init", str(sweep_dir), str(matrix), env=env).returncode == 0
+    sweep_dir = training_sweep(tmp_path, steps=80, step_sleep=0.2, seeds=[1, 2, 3], env=env)
     submitted = sweep("submit", str(sweep_dir), "--slurm", env=env)
     assert submitted.returncode == 0, submitted.stderr
     array = re.search(r"submitted array job (\d+): 3 task\(s\)", submitted.stdout).group(1)
