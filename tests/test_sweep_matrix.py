@@ -298,3 +298,44 @@ def test_slurm_task_ids_and_merged_states():
     assert merged_state(row, {"7_1": ("PENDING", 1)}) == "preempted"
     row.state = "done"
     assert merged_state(row, {"7_1": ("FAILED", 0)}) == "done"
+
+
+def test_submit_with_a_stand_in_sbatch(tmp_path, capsys, monkeypatch):
+    """What `submit` hands to sbatch and records, with a stand-in `sbatch` / `scancel` that log their arguments
+    (the real cluster is in test_sweep_slurm.py)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, answer in (("sbatch", "77;cluster"), ("scancel", "")):
+        tool = bin_dir / name
+        tool.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/{name}.args\necho "{answer}"\n')
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    sweep_dir = tmp_path / "sw"
+    write_matrix(tmp_path / "m.yaml", COMMAND, grid={"seed": [1, 2, 3]})
+    assert main(["sweep", "init", str(sweep_dir), str(tmp_path / "m.yaml")]) == 0
+    assert main(["sweep", "submit", str(sweep_dir)]) == 2
+    assert "add --slurm" in capsys.readouterr().err
+    assert main(["sweep", "submit", str(sweep_dir), "--slurm", "--sbatch-arg=--array=1"]) == 2
+    assert "not --array/--output" in capsys.readouterr().err
+    argv = ["sweep", "submit", str(sweep_dir), "--slurm", "--partition", "gpu", "--time", "4:00:00"]
+    assert main([*argv, "--gpus-per-job", "2", "--signal-before", "90", "--max-tasks", "2"]) == 0
+    assert "submitted array job 77: 2 task(s)" in capsys.readouterr().out
+    (args,) = (tmp_path / "sbatch.args").read_text().splitlines()
+    for option in ("--requeue", "--open-mode=append", "--signal=B:USR1@90", "--partition=gpu", "--time=4:00:00"):
+        assert option in args.split()
+    assert (
+        "--gres=gpu:2" in args and "--array=0-1" in args and f"--output={sweep_dir.resolve()}/slurm/%A_%a.out" in args
+    )
+    script = Path(args.split()[-1]).read_text()
+    assert f"jobs=({job_id({'seed': 1})} {job_id({'seed': 2})})" in script
+    assert "scontrol requeue" in script and "sweep task" in script
+    found = rows(sweep_dir)
+    assert [found[job_id({"seed": s})].slurm_job for s in (1, 2, 3)] == ["77_0", "77_1", None]
+    assert main(["sweep", "cancel", str(sweep_dir), job_id({"seed": 2})]) == 0
+    assert (tmp_path / "scancel.args").read_text().split() == ["77_1"]
+    assert main(["sweep", "submit", str(sweep_dir), "--slurm"]) == 0  # the rest: seed 3 only
+    assert "1 task(s)" in capsys.readouterr().out
+    assert main(["sweep", "submit", str(sweep_dir), "--slurm"]) == 2
+    assert "nothing to submit" in capsys.readouterr().err
+    assert main(["sweep", "task", str(sweep_dir), job_id({"seed": 1})]) == 2  # outside an array task
+    assert "runs inside a SLURM array task" in capsys.readouterr().err

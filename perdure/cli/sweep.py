@@ -89,6 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     slurm.add_argument(
         "--sbatch-arg", action="append", default=[], help="another sbatch option, e.g. --sbatch-arg=--ntasks=2"
     )
+    slurm.add_argument("--max-tasks", type=int, help="submit at most N jobs (SLURM's MaxArraySize is 1001 by default)")
     slurm.set_defaults(handler=cmd_submit)
 
     task = commands.add_parser("task")  # what each SLURM array task runs (no help: not listed)
@@ -198,6 +199,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         gpus_per_job=args.gpus_per_job,
         signal_before=args.signal_before,
         sbatch_args=args.sbatch_arg,
+        max_tasks=args.max_tasks,
     )
     print(f"submitted array job {array_id}: {len(jobs)} task(s), script {script}")
     for index, job_id in enumerate(jobs):

@@ -101,9 +101,11 @@ def submit(
     gpus_per_job: int | None = None,
     signal_before: int = DEFAULT_SIGNAL_BEFORE_S,
     sbatch_args: Sequence[str] = (),
+    max_tasks: int | None = None,
     environment: dict[str, str] | None = None,
 ) -> tuple[str, list[str], Path]:
-    """Submit every claimable job (queued or preempted, not already with SLURM) as one array.
+    """Submit every claimable job (queued or preempted, not already with SLURM), or the first `max_tasks`, as one
+    array.
 
     Returns (array job id, job ids in task order, script path). The rows are marked with their `ARRAY_INDEX` in the
     same locked update, so no local dispatcher takes them afterwards.
@@ -112,6 +114,10 @@ def submit(
     options = _sbatch_options(partition, time_limit, gpus_per_job, signal_before, sbatch_args)
     with locked_state(sweep_dir) as state:
         rows = [row for row in state.jobs if row.state in CLAIMABLE and row.slurm_job is None]
+        if max_tasks is not None:
+            if max_tasks < 1:
+                raise SweepError(f"--max-tasks {max_tasks}: give at least 1")
+            rows = rows[:max_tasks]
         if not rows:
             raise SweepError(f"nothing to submit in {sweep_dir}: no job is queued or preempted (see `sweep status`)")
         (sweep_dir / SLURM_DIR).mkdir(exist_ok=True)
@@ -200,7 +206,7 @@ class _Forwarder:
 
 
 def run_task(sweep_dir: str | os.PathLike, job_id: str) -> int:
-    """Run one job as this SLURM array task (or as a plain process) and record it; returns the job's exit status."""
+    """Run one job as this SLURM array task and record it in the sweep; returns the job's exit status."""
     sweep_dir = Path(sweep_dir).resolve()
     array, index = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     slurm_job = f"{array}_{index}" if array and index else None
