@@ -25,7 +25,6 @@ import time
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from datetime import datetime, timezone
 from typing import Any, ClassVar
 
 import torch
@@ -34,20 +33,18 @@ from torch import nn
 from perdure.checkpoints.async_save import WRITER_PROCESS_NAME
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy, Stateful
 from perdure.checkpoints.select import manager_class as select_manager_class
-from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
-from perdure.distributed.collectives import broadcast_object, max_over_ranks
+from perdure.distributed.collectives import max_over_ranks
 from perdure.errors import PerdureError
 from perdure.loggers.console import (
     EarlyRecords,
-    attach_log_file,
-    detach_log_file,
     drop_orphaned_early_records,
     get_logger,
 )
-from perdure.resilience.run_lock import LOCK_NAME, RunLock
+from perdure.resilience.run_lock import RunLock
 from perdure.resilience.signals import PreemptionHandler
+from perdure.runners.attempt import AttemptMixin
 from perdure.runners.cadence import Cadence
 from perdure.runners.checkpointing import CheckpointingMixin, building_for_inspection
 from perdure.runners.determinism import configure_determinism
@@ -59,9 +56,6 @@ from perdure.runners.optim import build_optimizer, build_scheduler
 from perdure.runners.rng import derived_seed, seed_everything
 from perdure.runners.state import RunnerState
 from perdure.runners.telemetry import RunTelemetry
-from perdure.workspace.launch import record_launch
-from perdure.workspace.run_dir import RunDir, resolve_run_dir
-from perdure.workspace.siblings import sibling_runs
 
 NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
 
@@ -81,7 +75,7 @@ class RunnerMeta(ABCMeta):
         return runner
 
 
-class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
+class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
     """The training lifecycle shared by every stack. Subclass a stack (or `Runner`), not this class."""
 
     # None: the manager comes from `ckpt.backend` (`perdure.checkpoints.select.manager_class`: auto is DCP with several
@@ -146,81 +140,6 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
         self._losses: list[torch.Tensor] = []
         self._clock = time.perf_counter()
         self._clock_step = 0
-
-    def _agree(self, decision: tuple[str, Any]) -> Any:
-        """Share rank 0's ("ok", value) or ("error", exception): every rank returns the value or raises the error."""
-        shared = decision
-        if decision[0] == "error":  # exceptions travel as text: not every one pickles
-            shared = ("error", f"{type(decision[1]).__name__} on rank 0: {decision[1]}")
-        outcome, value = broadcast_object(shared)
-        if outcome == "error":
-            raise decision[1] if self.is_main_process else PerdureError(value)
-        return value
-
-    def _decide_run(self) -> tuple[str, Any]:
-        """Rank 0: which run dir, its checkpoints resolved (reading only), the restore source.
-
-        Returns ("ok", (run_dir, source)) or ("error", the exception), to be broadcast. Nothing is written: the run
-        lock, the repair of bad checkpoints and the directories come when `train()` begins the attempt.
-        """
-        try:
-            run_dir = resolve_run_dir(self.config, type(self).__name__)
-            self.run_dir = run_dir
-            if not self.inspection and (run_dir.path / LOCK_NAME).is_file():
-                # An existing run is locked at once, so a second launch of a live run fails before building anything;
-                # quietly (no holder info written): a runner built only to look at the run changes no byte of it.
-                self.run_lock = RunLock(run_dir.path)
-                self.run_lock.acquire(announce=False)
-            self.checkpoints = self._checkpoint_manager()
-            source = choose_restore_source(
-                self.checkpoints.resolve(),
-                run_dir=run_dir.path,
-                resume=self.config.resume,
-                checkpoint=self.config.checkpoint,
-                pretrained=self.config.pretrained,
-                quarantined=self.checkpoints.quarantined,
-            )
-            if source.info is not None:
-                self._check_same_config(source.info)
-            if source.kind == "pretrained":
-                read_weights(source.path)  # unreadable weights are refused before anything is written
-            self._announce_run(run_dir, source)
-            return "ok", (run_dir, source)
-        except Exception as error:
-            self._release_lock()
-            return "error", error
-
-    def _announce_run(self, run_dir: RunDir, source: RestoreSource) -> None:
-        """Say where a restarted launch continues, and which runs a fresh start could have continued instead."""
-        if run_dir.continued_launch:
-            self.logger.info("restart %d of launch %s: continuing %s, the run its first attempt started",
-                             run_dir.launch.restart, run_dir.launch.key, run_dir.path)  # fmt: skip
-        elif run_dir.launch is not None and run_dir.launch.is_restart:
-            self.logger.warning(
-                "this is restart %d of launch %s, but the workspace's launch index has no entry for it (its first "
-                "attempt stopped before training started?): using %s, named by the current code",
-                run_dir.launch.restart,
-                run_dir.launch.key,
-                run_dir.path,
-            )
-        if source.kind == "resume" or run_dir.root is None:
-            return
-        siblings = sibling_runs(
-            run_dir.root,
-            lineage=run_dir.lineage,
-            config_id=run_dir.config_id,
-            workspace_id=self.config.lookup("workspace.id"),
-            exclude=run_dir.path,
-        )
-        for sibling in siblings:
-            self.logger.warning(
-                "a run with the same lineage and config was trained by other code: %s. This start is a new run in %s "
-                "(code %s). To continue that run instead, rerun with --workspace.code_id %s",
-                sibling.describe(),
-                run_dir.path,
-                run_dir.code_id,
-                sibling.code_id,
-            )
 
     def _checkpoint_manager(self, token: str = "") -> CheckpointManager:
         """This run's checkpoint manager; `token` (the attempt's timestamp, equal on all ranks) names staging dirs.
@@ -395,90 +314,6 @@ class BaseRunner(CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
                 self.telemetry.finish(status, reason)
             finally:
                 self._release()
-
-    def _release(self) -> None:
-        self.logger.removeHandler(self._early_records)
-        detach_log_file(self._log_file)
-        self._log_file = None
-        self._release_lock()
-
-    def _release_lock(self) -> None:
-        if self.run_lock is not None:
-            self.run_lock.release()
-            self.run_lock = None
-
-    def _begin_attempt(self) -> None:
-        """Start writing: rank 0 takes the run lock, repairs what the resolve found, creates the directories, opens the
-        log file and records the attempt (metadata, sidecar, loggers); the attempt's stamp is shared by every rank."""
-        try:
-            self.attempt_started = self._agree(self._open_run() if self.is_main_process else ("", None))
-        except BaseException:
-            self._release()
-            raise
-        self.checkpoints.token = self.attempt_started
-        self.state.attempt += 1
-        if self.is_main_process:
-            self._log_file = attach_log_file(self.run_dir.logs / f"{self.attempt_started}.log")
-            self._early_records.replay_into(self._log_file)
-        self.logger.removeHandler(self._early_records)
-        resumed = self.restore_source
-        self.telemetry.start(
-            attempt=self.attempt_started,
-            resumed_from=str(resumed.info.path) if resumed.info is not None else None,
-            details=self._attempt_details(),
-        )
-
-    def _open_run(self) -> tuple[str, Any]:
-        """Rank 0: lock, repair, create; returns ("ok", attempt stamp) or ("error", exception), to be broadcast."""
-        try:
-            if self.run_lock is None:
-                self.run_lock = RunLock(self.run_dir.path)
-                self.run_lock.acquire()
-            self.run_lock.announce()
-            self.checkpoints.repair()
-            self.run_dir.create()
-            record_launch(self.run_dir)
-            return "ok", datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        except Exception as error:
-            self._release_lock()
-            return "error", error
-
-    def _attempt_details(self) -> dict[str, Any]:
-        """What the attempt's record says about this process beyond its progress: the code it runs, its topology."""
-        details: dict[str, Any] = {"code_id": self.run_dir.running_code_id, "world_size": self.world_size}
-        if self.run_dir.launch is not None:
-            details["launch"] = self.run_dir.launch.key
-        if self._topology_change is not None:
-            details["topology_change"] = self._topology_change
-        return details
-
-    def _setup_failed(self, error: Exception) -> None:
-        """A setup (`__init__` / `__post_init__`) raised after the run was decided: record a failed attempt with the
-        error (run dir, sidecar, log file), so the failure shows in `perdure runs ls`; then release everything.
-        Runners built by `from_checkpoint` (to look at a run) record nothing. Never masks `error`."""
-        if "telemetry" not in self.__dict__:  # the run was not decided: nothing to record, nothing held
-            if "_early_records" in self.__dict__:
-                self.logger.removeHandler(self._early_records)
-            return
-        try:
-            if self.is_main_process and not self.inspection:
-                self._record_failed_setup(f"{type(error).__name__}: {error}")
-        except Exception as failure:  # noqa: BLE001 - the setup's own error is what the user must see
-            self.logger.warning("could not record the failed setup in %s: %s", self.run_dir.path, failure)
-        finally:
-            self._release()
-
-    def _record_failed_setup(self, reason: str) -> None:
-        outcome, value = self._open_run()
-        if outcome != "ok":
-            self.logger.warning("the failed setup is not recorded in %s: %s", self.run_dir.path, value)
-            return
-        self.attempt_started = value
-        self._log_file = attach_log_file(self.run_dir.logs / f"{self.attempt_started}.log")
-        self._early_records.replay_into(self._log_file)
-        self.logger.removeHandler(self._early_records)
-        self.logger.error("setup of run %s failed: %s", self.run_dir.path, reason)
-        self.telemetry.record_failed_setup(attempt=self.attempt_started, reason=reason, details=self._attempt_details())
 
     def train_steps(self) -> None:
         """Train until `global_step` reaches `config.steps` (epochs roll over as the data runs out)."""
