@@ -200,6 +200,9 @@ def test_launch_identity_from_the_environment():
     elastic = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "1"}
     assert current_launch(elastic) == Launch("torchelastic:x", 1)
     assert not current_launch({"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "junk"}).is_restart
+    # a job of `perdure sweep run` (also inside a SLURM allocation): its dispatcher numbers the attempts
+    sweep = {"PERDURE_LAUNCH_ID": "sweep-ab:job1", "PERDURE_RESTART_COUNT": "2", "SLURM_JOB_ID": "5"}
+    assert current_launch(sweep) == Launch("perdure:sweep-ab:job1", 2)
 
 
 def test_launch_index_entries_are_read_with_care(tmp_path):

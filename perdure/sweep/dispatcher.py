@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from perdure.sweep.launch import JobProcess, job_environment
+from perdure.sweep.launch import JobProcess, job_environment, launch_key
 from perdure.sweep.liveness import DispatcherHeartbeat, dispatcher_alive, hostname, process_alive
 from perdure.sweep.matrix import SweepError
 from perdure.sweep.state import CLAIMABLE, JobRow, SweepState, locked_state, log_path, read_state
+from perdure.workspace.launch import LAUNCH_ENV, RESTART_ENV
 from perdure.workspace.sidecar import utc_stamp
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -219,6 +220,9 @@ class Dispatcher:
     def _start(self, state: SweepState, row: JobRow, slot: Slot) -> None:
         row.start_attempt(host=self.host, slot=slot.name, dispatcher=self.heartbeat.id)
         extra = {"PERDURE_SWEEP_DIR": str(self.sweep_dir.resolve()), "PERDURE_SWEEP_JOB": row.id}
+        # One launch per job: a requeue or retry continues the run its first attempt started, even after a commit.
+        extra[LAUNCH_ENV] = f"{launch_key(self.sweep_dir)}:{row.id}"
+        extra[RESTART_ENV] = str(row.attempts - 1)
         if slot.cuda is not None:
             extra["CUDA_VISIBLE_DEVICES"] = slot.cuda
         argv = state.argv(row)

@@ -15,6 +15,7 @@ program) simply has no run dir in the sweep's status.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import re
 import signal
@@ -164,3 +165,8 @@ def job_environment(base: Mapping[str, str], extra: Mapping[str, str], **sweep: 
     env.update(extra)
     env.update(sweep)
     return env
+
+
+def launch_key(sweep_dir: Path) -> str:
+    """The sweep's part of its jobs' launch ids: a short hash of the sweep directory's absolute path."""
+    return "sweep-" + hashlib.sha256(str(Path(sweep_dir).resolve()).encode()).hexdigest()[:12]

@@ -1,6 +1,7 @@
 """Launches and their restarts: a requeued job continues the run directory its launch started in.
 
-A *launch* is one job as the scheduler sees it: a SLURM job (or one task of an array), or one torchrun elastic run.
+A *launch* is one job as the scheduler sees it: a SLURM job (or one task of an array), one torchrun elastic run, or
+one job of a `perdure sweep`.
 The scheduler may restart it — a SLURM requeue (`SLURM_RESTART_COUNT` >= 1), a torchrun elastic restart
 (`TORCHELASTIC_RESTART_COUNT` >= 1) — with whatever code the checkout holds at that moment. Since a run directory is
 named by the code identity, a commit between two attempts would otherwise start the requeued job over in a new
@@ -29,6 +30,7 @@ from typing import Any
 from perdure.checkpoints.commit import atomic_write_text
 
 LAUNCH_INDEX_DIR = ".launches"
+LAUNCH_ENV, RESTART_ENV = "PERDURE_LAUNCH_ID", "PERDURE_RESTART_COUNT"
 ENTRY_FORMAT = "perdure-launch/1"
 MAX_ENTRY_BYTES = 64 * 1024
 
@@ -58,12 +60,16 @@ def _count(environ: Mapping[str, str], name: str) -> int:
 def current_launch(environ: Mapping[str, str] | None = None) -> Launch | None:
     """The launch described by the scheduler's environment, or None for a plain process.
 
-    SLURM wins over torchrun (a torchrun inside a SLURM job gets a new elastic run id when SLURM requeues the job):
+    `PERDURE_LAUNCH_ID` / `PERDURE_RESTART_COUNT`, set by a launcher of perdure's own (`perdure sweep run` sets them
+    for each job, the restart count being its earlier attempts), win. SLURM wins over torchrun (a torchrun inside a
+    SLURM job gets a new elastic run id when SLURM requeues the job):
     `SLURM_ARRAY_JOB_ID`_`SLURM_ARRAY_TASK_ID` for an array task, else `SLURM_JOB_ID`; restarted when
     `SLURM_RESTART_COUNT` or `TORCHELASTIC_RESTART_COUNT` is >= 1. Otherwise `TORCHELASTIC_RUN_ID`, restarted when
     `TORCHELASTIC_RESTART_COUNT` is >= 1.
     """
     env = os.environ if environ is None else environ
+    if env.get(LAUNCH_ENV):  # a launcher of our own (the sweep dispatcher) knows best
+        return Launch(f"perdure:{env[LAUNCH_ENV]}", _count(env, RESTART_ENV))
     elastic_restarts = _count(env, "TORCHELASTIC_RESTART_COUNT")
     if env.get("SLURM_JOB_ID"):
         if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
