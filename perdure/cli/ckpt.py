@@ -397,7 +397,7 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
             f"checkpoint {info.path} was written by backend {safe_name(backend)}; export reads file and dcp checkpoints"
         )
     where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
-    where.append(f"backend {safe_name(backend)}")
+    where.append(f"backend {backend}")  # one of the two checked above
     return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})"
 
 
