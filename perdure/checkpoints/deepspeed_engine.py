@@ -1,0 +1,177 @@
+"""DeepSpeedCheckpointManager: the DeepSpeed engine's own checkpoints, committed like every other backend's.
+
+A checkpoint directory holds
+
+    engine/                           the engine's tag directory, `engine.save_checkpoint(<staging>, "engine", ...)`:
+      mp_rank_00_model_states.pt        module weights, DeepSpeed's counters and perdure's replicated state
+                                        (`client_state`); ZeRO 0-2: written by data-parallel rank 0
+      zero_pp_rank_{r}_mp_rank_00_model_states.pt    the same per rank under ZeRO-3 (weights partitioned)
+      [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt   rank r's optimizer partition (ZeRO 1-3, bf16)
+    zero_to_fp32.py, zero_to_torch.py DeepSpeed's recovery scripts (rank 0, whenever ZeRO files are written)
+    rank{r:05d}.pth                   rank-local state: RNGs and data position (every rank)
+    config.yaml, manifest.json        as with every backend
+
+Every rank enters `engine.save_checkpoint` with the same staging directory and `save_latest=False`; the engine's file
+I/O is perdure's `RecordingIO` (see `deepspeed_io.py`), so each rank knows exactly which files it wrote, with their
+checksums, and hands them to the one commit protocol (`CheckpointManager.commit_job`). DeepSpeed's `latest` file is
+never written nor read: a load always names the tag, and a load that finds nothing is an error, not a warning.
+
+A checkpoint written by another number of ranks is converted to DeepSpeed's universal format first (see
+`deepspeed_universal.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perdure.checkpoints.base import CheckpointManager, Stateful
+from perdure.checkpoints.commit import FileRecord, hash_file, write_file
+from perdure.checkpoints.file import _save, local_file, read_local_states
+from perdure.errors import CheckpointError
+
+logger = logging.getLogger("perdure")
+
+TAG = "engine"  # the engine's tag directory inside every checkpoint
+CLIENT_KEY = "perdure"  # perdure's replicated state inside the engine's client_state
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+class EngineState:
+    """The DeepSpeed engine (module, optimizer, DeepSpeed's counters) as one entry of the runner's checkpoint states.
+
+    Only the DeepSpeed backend can save it: the engine writes its own (partitioned) files.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, Any]:
+        raise CheckpointError("the DeepSpeed engine's state is saved by the deepspeed checkpoint backend only")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise CheckpointError("the DeepSpeed engine's state is loaded by the deepspeed checkpoint backend only")
+
+
+class DeepSpeedCheckpointManager(CheckpointManager):
+    """Collective: every rank enters `save` and `load` together. See the module docstring for the layout."""
+
+    backend = "deepspeed"
+    collective = True
+
+    def snapshot_states(
+        self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The engine stays itself (it writes its files in `write`); every other object gives its state dict."""
+        replicated = {key: state if key == "engine" else state.state_dict() for key, state in states.items()}
+        return replicated, {key: state.state_dict() for key, state in local_states.items()}
+
+    def write(self, staging: Path, replicated: dict[str, Any], local: dict[str, Any]) -> dict[str, FileRecord]:
+        from perdure.checkpoints.deepspeed_io import recording_io
+
+        holder = replicated.get("engine")
+        if not isinstance(holder, EngineState):
+            raise CheckpointError("the deepspeed checkpoint backend saves a DeepSpeed engine: use stack=deepspeed")
+        engine = holder.engine
+        client = {key: value for key, value in replicated.items() if key != "engine"}
+        io = recording_io(engine)
+        # Collective (DeepSpeed barriers inside): every rank is here, in the training loop, at the same step.
+        engine.save_checkpoint(str(staging), tag=TAG, client_state={CLIENT_KEY: client}, save_latest=False)
+        files = io.take_records(staging)
+        if self.rank == 0:
+            for script in RECOVERY_SCRIPTS:
+                if (staging / script).is_file():
+                    files[script] = hash_file(staging / script)
+        name = local_file(self.rank)
+        files[name] = write_file(staging / name, lambda f: _save(local, f))
+        return files
+
+    def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
+        holder = states.get("engine")
+        if not isinstance(holder, EngineState):
+            raise CheckpointError(
+                f"checkpoint {path} was written by the DeepSpeed engine: continue it with stack=deepspeed, or load its "
+                f"weights only with --pretrained {path}"
+            )
+        client = self._load_engine(path, holder.engine)
+        replicated = client.get(CLIENT_KEY) if isinstance(client, dict) else None
+        if not isinstance(replicated, dict):
+            raise CheckpointError(f"checkpoint {path}/{TAG} holds no perdure state in its client_state")
+        for key, state in states.items():  # the mapping's order is the restore order; the engine is loaded already
+            if key != "engine" and key in replicated:
+                state.load_state_dict(replicated[key])
+        return read_local_states(path, self.rank, local_states)
+
+    def _load_engine(self, path: Path, engine: Any) -> dict[str, Any]:
+        """`engine.load_checkpoint` of the tag, every file read through the allow-list; its client_state."""
+        from perdure.checkpoints.deepspeed_io import recording_io
+
+        recording_io(engine)
+        try:
+            load_path, client = engine.load_checkpoint(
+                str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+        except CheckpointError:
+            raise
+        except Exception as error:
+            raise CheckpointError(
+                f"DeepSpeed could not load checkpoint {path}: {type(error).__name__}: {error}"
+            ) from error
+        if load_path is None:  # DeepSpeed only warns when it finds nothing; perdure never goes on from nothing
+            raise CheckpointError(f"DeepSpeed found no engine checkpoint in {path / TAG}")
+        return client
+
+
+def check_engine_files(tag_dir: Path) -> list[Path]:
+    """Every engine file of a tag directory checked against the allow-list (pickles only: tensor data is mapped, not
+    read), before code that unpickles them without restriction (DeepSpeed's zero-to-fp32 and universal conversion)
+    sees them. A CheckpointError names the file and the global; returns the files."""
+    from perdure.checkpoints.safe_unpickle import load_deepspeed_file
+
+    files = sorted(path for path in tag_dir.rglob("*.pt") if path.is_file() or path.is_symlink())
+    for path in files:
+        try:
+            load_deepspeed_file(path, mmap=True)
+        except OSError as error:
+            raise CheckpointError(f"cannot read {path}: {error}") from None
+    return files
+
+
+def read_deepspeed_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
+    """Model (or EMA) weights of a DeepSpeed checkpoint directory, in this process alone (no engine, no ranks).
+
+    ZeRO 1-3: the fp32 master weights, gathered from every rank's optimizer partition by DeepSpeed's zero-to-fp32
+    routine; ZeRO-0: the module's weights (in the training precision). EMA: perdure's shadow from the client_state.
+    """
+    from perdure.checkpoints.safe_unpickle import load_deepspeed_file
+    from perdure.distributed.deepspeed_env import import_deepspeed
+
+    tag_dir = Path(path) / TAG
+    files = check_engine_files(tag_dir)
+    model_files = [file for file in files if file.name.endswith("_model_states.pt")]
+    if not model_files:
+        raise CheckpointError(f"{tag_dir} holds no DeepSpeed model states file; it is not a DeepSpeed checkpoint")
+    first = min(model_files, key=lambda file: (len(file.name), file.name))  # rank 0's: mp_rank_00 or zero_pp_rank_0
+    if ema:
+        client = load_deepspeed_file(first).get(CLIENT_KEY) or {}
+        shadow = client.get("ema", {}).get("shadow") if isinstance(client.get("ema"), dict) else None
+        if not isinstance(shadow, dict):
+            raise CheckpointError(f"checkpoint {path} holds no EMA weights (it was trained with ema.enabled=false)")
+        return shadow
+    if not any(file.name.endswith("_optim_states.pt") for file in files):  # ZeRO-0: the module holds everything
+        module = load_deepspeed_file(first).get("module")
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{first} holds no module weights")
+        return dict(module)
+    import_deepspeed()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG)
+    except Exception as error:
+        raise CheckpointError(f"cannot gather the weights of {path}: {type(error).__name__}: {error}") from error
+    return {name: tensor.clone() for name, tensor in weights.items()}  # each its own storage, not a flat group's view
