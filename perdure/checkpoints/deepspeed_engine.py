@@ -16,8 +16,8 @@ I/O is perdure's `RecordingIO` (see `deepspeed_io.py`), so each rank knows exact
 checksums, and hands them to the one commit protocol (`CheckpointManager.commit_job`). DeepSpeed's `latest` file is
 never written nor read: a load always names the tag, and a load that finds nothing is an error, not a warning.
 
-A checkpoint written by another number of ranks is converted to DeepSpeed's universal format first (see
-`deepspeed_universal.py`).
+A checkpoint written by another number of ranks is converted to DeepSpeed's universal format first and kept as a
+derived checkpoint beside it (see `deepspeed_universal.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
-from perdure.checkpoints.commit import FileRecord, hash_file, write_file
+from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, write_file
+from perdure.checkpoints.deepspeed_universal import UniversalSource, prune_derived
 from perdure.checkpoints.file import _save, local_file, read_local_states
 from perdure.errors import CheckpointError
 
@@ -62,6 +63,37 @@ class DeepSpeedCheckpointManager(CheckpointManager):
 
     backend = "deepspeed"
     collective = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._universal: UniversalSource | None = None  # a restore from another world size, converted
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_universal"] = None
+        return state
+
+    def start(self) -> None:
+        """Training starts (rank 0 holds the run lock): keep a fresh universal conversion beside its original."""
+        super().start()
+        universal = self._universal
+        if universal is not None and self.rank == 0 and self.policy.enabled:
+            if universal.checkpoint.parent.resolve() == self.root.resolve():
+                universal.commit()
+
+    def close(self) -> list[Any]:
+        try:
+            return super().close()
+        finally:
+            if self._universal is not None:
+                self._universal.discard()
+
+    def prune(self, protected: frozenset[str] = frozenset()) -> list[Path]:
+        """Retention as for every backend; a derived universal checkpoint goes with its original."""
+        removed = super().prune(protected)
+        if self.policy.enabled and self.rank == 0:
+            prune_derived(self.root)
+        return removed
 
     def snapshot_states(
         self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
@@ -97,7 +129,12 @@ class DeepSpeedCheckpointManager(CheckpointManager):
                 f"checkpoint {path} was written by the DeepSpeed engine: continue it with stack=deepspeed, or load its "
                 f"weights only with --pretrained {path}"
             )
-        client = self._load_engine(path, holder.engine)
+        written = read_manifest(path).get("world_size")
+        if written == self.world_size:
+            client = self._load_engine(path, holder.engine)
+        else:  # ZeRO partitions by rank: another world size loads DeepSpeed's universal form of the checkpoint
+            self._universal = UniversalSource(path, TAG, self.rank)
+            client = self._load_engine(self._universal.locate(self.world_size), holder.engine, universal=True)
         replicated = client.get(CLIENT_KEY) if isinstance(client, dict) else None
         if not isinstance(replicated, dict):
             raise CheckpointError(f"checkpoint {path}/{TAG} holds no perdure state in its client_state")
@@ -106,11 +143,13 @@ class DeepSpeedCheckpointManager(CheckpointManager):
                 state.load_state_dict(replicated[key])
         return read_local_states(path, self.rank, local_states)
 
-    def _load_engine(self, path: Path, engine: Any) -> dict[str, Any]:
-        """`engine.load_checkpoint` of the tag, every file read through the allow-list; its client_state."""
+    def _load_engine(self, path: Path, engine: Any, universal: bool = False) -> dict[str, Any]:
+        """`engine.load_checkpoint` of the tag, every file read through the allow-list (a universal checkpoint's
+        files were checked by `UniversalSource.locate`); its client_state."""
         from perdure.checkpoints.deepspeed_io import recording_io
 
         recording_io(engine)
+        engine._config.load_universal_checkpoint = universal  # read by load_checkpoint only, for this one load
         try:
             load_path, client = engine.load_checkpoint(
                 str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
@@ -121,6 +160,8 @@ class DeepSpeedCheckpointManager(CheckpointManager):
             raise CheckpointError(
                 f"DeepSpeed could not load checkpoint {path}: {type(error).__name__}: {error}"
             ) from error
+        finally:
+            engine._config.load_universal_checkpoint = False
         if load_path is None:  # DeepSpeed only warns when it finds nothing; perdure never goes on from nothing
             raise CheckpointError(f"DeepSpeed found no engine checkpoint in {path / TAG}")
         return client

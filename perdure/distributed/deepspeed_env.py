@@ -9,6 +9,7 @@ every collective and nothing is ever compiled.
 from __future__ import annotations
 
 import os
+import warnings
 from types import ModuleType
 
 import torch
@@ -31,4 +32,6 @@ def import_deepspeed() -> ModuleType:
             "DS_BUILD_OPS=0 pip install 'perdure[deepspeed]'"
         ) from None
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # read by DeepSpeed's comm backend when it initialises
+    # DeepSpeed 0.19.8 gathers ZeRO partitions with a collective torch 2.13 calls deprecated: its warning, not ours.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     return deepspeed

@@ -92,6 +92,13 @@ def engine_config(config: Any, world_size: int) -> dict[str, Any]:
                 f"the runner builds the {section} (self.{section} in your runner, or {keys}): remove the '{section}' "
                 f"section from the DeepSpeed config and set {keys} instead",
             )
+    if _get(raw, "checkpoint.load_universal") not in (_MISSING, False):
+        raise ConfigError(
+            "deepspeed.config checkpoint.load_universal",
+            _get(raw, "checkpoint.load_universal"),
+            "perdure converts a checkpoint to DeepSpeed's universal format and loads it that way by itself when the "
+            "world size changes: remove the setting",
+        )
     merged = {**DEFAULTS, **raw}
     for dotted, (key, value, implied) in _owned(config, world_size).items():
         theirs = _get(raw, dotted)

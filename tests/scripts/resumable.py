@@ -19,6 +19,7 @@ Environment knobs (tests only):
   NAN_AT_STEP   the loss of the first micro-batch at this global step is NaN (on rank NAN_RANK only, default every rank)
   GATHERED_WEIGHTS  stack=deepspeed: after training, rank 0 saves the engine's fp32 weights gathered from every rank
                 (`safe_get_full_fp32_param`) to this path
+  RESTORED_STATE  stack=deepspeed: the same, right after the restore (before training), with the optimizer's steps
 """
 
 import contextlib
@@ -205,15 +206,23 @@ def install_fault(spec: str) -> None:
         raise ValueError(f"unknown fault point {point!r}")
 
 
+def save_gathered(runner, path) -> None:
+    """stack=deepspeed: the engine's fp32 weights gathered from every rank (collective), and the optimizer's steps."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    weights = {name: safe_get_full_fp32_param(p).clone() for name, p in runner.engine.module.named_parameters()}
+    steps = sorted({float(state["step"]) for state in runner.engine.optimizer.optimizer.state.values()})
+    if runner.rank == 0:
+        torch.save({"weights": weights, "steps": steps}, path)
+
+
 if __name__ == "__main__":
     rank = os.environ.get("RANK", "0")
     if os.environ.get("FAULT") and os.environ.get("FAULT_RANK", rank) == rank:
         install_fault(os.environ["FAULT"])
     runner = ResumableRunner(Config().parse())
+    if os.environ.get("RESTORED_STATE"):
+        save_gathered(runner, os.environ["RESTORED_STATE"])
     runner.train()
     if os.environ.get("GATHERED_WEIGHTS"):
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        gathered = {name: safe_get_full_fp32_param(p).clone() for name, p in runner.engine.module.named_parameters()}
-        if runner.rank == 0:
-            torch.save(gathered, os.environ["GATHERED_WEIGHTS"])
+        save_gathered(runner, os.environ["GATHERED_WEIGHTS"])
