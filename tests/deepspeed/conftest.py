@@ -33,7 +33,7 @@ def args_of(config: str) -> tuple[str, ...]:
     return (*ARGS, *CONFIGS[config])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Uninterrupted runs, made when a test first asks for one (`reference(config)`)."""
     made: dict[str, Path] = {}
@@ -49,7 +49,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return reference
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def killed(tmp_path_factory: pytest.TempPathFactory):
     """A private copy of a run whose every rank was SIGKILLed (at step 12; ZeRO-1: 7), made once per config."""
     made: dict[str, Path] = {}
