@@ -17,6 +17,7 @@ from perdure import ConfigError, FileCheckpointManager
 from perdure.checkpoints.async_save import AsyncSaver, SaveJob
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
 from perdure.checkpoints.dcp import DCPCheckpointManager, read_dcp_weights
+from perdure.checkpoints.deepspeed_engine import DeepSpeedCheckpointManager
 from perdure.checkpoints.select import manager_class
 from perdure.checkpoints.snapshot import Snapshot
 from perdure.runners.export import read_weights
@@ -269,8 +270,9 @@ def test_backend_selection():
     assert manager_class("dcp", 1) is DCPCheckpointManager
     assert manager_class("auto", 1) is FileCheckpointManager
     assert manager_class("auto", 2) is DCPCheckpointManager
-    with pytest.raises(ConfigError, match="'ckpt.backend' = 'deepspeed'.*not available yet"):
-        manager_class("deepspeed", 2)
+    assert manager_class("deepspeed", 2) is DeepSpeedCheckpointManager
+    with pytest.raises(ConfigError, match="'ckpt.backend' = 'tape'"):
+        manager_class("tape", 2)
 
 
 class FileRunner(ResumableRunner):
