@@ -98,10 +98,14 @@ def test_a_raw_setting_contradicting_a_runner_key_is_refused_before_anything_is_
 
 
 def test_the_export_loads_with_pretrained_on_the_torch_stack_and_reproduces_the_eval_loss(references, tmp_path):
+    from perdure.cli.main import main as perdure_cli
+
     reference = references("zero3-ema")
     exported = final_weights(reference)
     assert_same_weights(exported, read_weights(run_dir(reference)))  # --pretrained RUN_DIR reads the checkpoint
     assert_same_weights(final_weights(reference, "model-ema.pth"), read_weights(run_dir(reference), ema=True))
+    assert perdure_cli(["ckpt", "export", str(run_dir(reference)), str(tmp_path / "cli.pth")]) == 0
+    assert_same_weights(exported, torch.load(tmp_path / "cli.pth", weights_only=True))
     # The torch stack, 2 ranks, the export as --pretrained, one step at lr 0: its final evaluation sees the same weights
     # and the same validation batches as the reference's last one.
     args = ("--steps", "1", "--optim.lr", "0", "--dataset_size", "48", "--dataloader.batch_size", "4")
