@@ -22,6 +22,8 @@ derived checkpoint beside it (see `deepspeed_universal.py`).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -212,7 +214,8 @@ def read_deepspeed_weights(path: Path, ema: bool = False) -> dict[str, torch.Ten
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress
+            weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG)
     except Exception as error:
         raise CheckpointError(f"cannot gather the weights of {path}: {type(error).__name__}: {error}") from error
     return {name: tensor.clone() for name, tensor in weights.items()}  # each its own storage, not a flat group's view

@@ -32,6 +32,9 @@ def import_deepspeed() -> ModuleType:
             "DS_BUILD_OPS=0 pip install 'perdure[deepspeed]'"
         ) from None
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # read by DeepSpeed's comm backend when it initialises
-    # DeepSpeed 0.19.8 gathers ZeRO partitions with a collective torch 2.13 calls deprecated: its warning, not ours.
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    # DeepSpeed 0.19.8 gathers and scatters ZeRO partitions with collectives torch 2.13 calls deprecated, warning at
+    # every step: DeepSpeed's warnings, not the user's.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning, module="torch.distributed"
+    )
     return deepspeed
