@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import signal
-import time
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from tests.runs import (
     run_dir,
     run_ranks,
     start_ranks,
+    wait_for_lines,
 )
 from tests.security.hostile import CodeThatReturns, rewrite_manifest
 
@@ -43,10 +43,7 @@ def latest(root):
 def test_sigterm_to_rank_one_saves_every_rank_at_the_same_step(references, tmp_path):
     reference, root, args = references("zero2"), tmp_path / "runs", args_of("zero2")
     processes = start_ranks(2, "resumable.py", root, *args, STEP_SLEEP="0.05", LOSS_LOG=tmp_path / "first-{rank}.jsonl")
-    log, deadline = tmp_path / "first-0.jsonl", time.monotonic() + 120
-    while not (log.exists() and len(log.read_text().splitlines()) >= 7):
-        assert time.monotonic() < deadline and all(process.poll() is None for process in processes)
-        time.sleep(0.01)
+    wait_for_lines(tmp_path / "first-0.jsonl", 7, processes)
     processes[1].send_signal(signal.SIGTERM)
     outputs = [process.communicate(timeout=120)[0] for process in processes]
     assert [process.returncode for process in processes] == [143, 143], outputs

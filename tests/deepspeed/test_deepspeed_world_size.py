@@ -4,8 +4,6 @@ DeepSpeed #6691 reported for universal resumes), every sample of the interrupted
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from perdure.checkpoints.commit import verify_checkpoint
 from perdure.checkpoints.deepspeed_engine import read_deepspeed_weights
 from perdure.checkpoints.deepspeed_universal import derived_path
 from tests.deepspeed.conftest import ARGS, TIMEOUT
-from tests.runs import assert_all_ok, assert_same_weights, run_dir, run_ranks
+from tests.runs import assert_all_ok, assert_same_weights, epoch_samples, run_dir, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,17 +41,7 @@ def test_a_zero3_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
     assert verify_checkpoint(checkpoint)["world_size"] == 2
     assert verify_checkpoint(run_dir(root) / "checkpoints" / "ckpt-s000000000014")["world_size"] == 1
 
-    def samples(prefix, ranks, keep):
-        seen, steps = [], set()
-        for rank in range(ranks):
-            for line in (tmp_path / f"{prefix}-{rank}.jsonl").read_text().splitlines():
-                record = json.loads(line)
-                steps.add(record["step"])
-                if record["epoch"] == 0 and keep(record["step"]):
-                    seen.extend(record["samples"])
-        return seen, steps
-
-    before, _ = samples("first", 2, lambda step: step < 5)
-    after, steps = samples("second", 1, lambda step: True)
+    before, _ = epoch_samples(tmp_path, "first", 2, lambda step: step < 5)
+    after, steps = epoch_samples(tmp_path, "second", 1, lambda step: True)
     assert min(steps) == 5 and max(steps) == 13, "training continued from the checkpoint's step"
     assert sorted(before + after) == list(range(48)), "every sample of the interrupted epoch exactly once"

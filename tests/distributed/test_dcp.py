@@ -25,6 +25,7 @@ from tests.runs import (
     assert_all_ok,
     assert_ok,
     assert_same_weights,
+    epoch_samples,
     final_weights,
     read_losses,
     run,
@@ -174,18 +175,8 @@ def test_dcp_checkpoint_of_two_ranks_resumes_on_another_world_size(tmp_path, res
     assert manifest["global_step"] == 30 and manifest["world_size"] == resume_ranks
     assert manifest["backend"] == ("file" if backend == "auto" else "dcp")
 
-    def samples(prefix, ranks, keep):
-        seen, steps = [], set()
-        for rank in range(ranks):
-            for line in (tmp_path / f"{prefix}-{rank}.jsonl").read_text().splitlines():
-                record = json.loads(line)
-                steps.add(record["step"])
-                if record["epoch"] == 0 and keep(record["step"]):
-                    seen.extend(record["samples"])
-        return seen, steps
-
-    before, _ = samples("first", 2, lambda step: step < 5)
-    after, steps = samples("second", resume_ranks, lambda step: True)
+    before, _ = epoch_samples(tmp_path, "first", 2, lambda step: step < 5)
+    after, steps = epoch_samples(tmp_path, "second", resume_ranks, lambda step: True)
     assert min(steps) == 5 and max(steps) == 29, "training continued from the checkpoint's step"
     assert sorted(before + after) == list(range(96)), "every sample of the interrupted epoch exactly once"
 
