@@ -9,7 +9,7 @@ import torch
 
 from perdure.checkpoints.commit import verify_checkpoint
 from perdure.checkpoints.deepspeed_engine import read_deepspeed_weights
-from perdure.checkpoints.deepspeed_universal import derived_path
+from perdure.checkpoints.deepspeed_universal import derived_path, prune_derived
 from tests.deepspeed.conftest import ARGS, TIMEOUT
 from tests.runs import assert_all_ok, assert_same_weights, epoch_samples, run_dir, run_ranks
 
@@ -45,3 +45,16 @@ def test_a_zero3_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
     after, steps = epoch_samples(tmp_path, "second", 1, lambda step: True)
     assert min(steps) == 5 and max(steps) == 13, "training continued from the checkpoint's step"
     assert sorted(before + after) == list(range(48)), "every sample of the interrupted epoch exactly once"
+
+
+def test_a_derived_universal_checkpoint_goes_with_its_original(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for name in ("ckpt-s000000000005", "ckpt-s000000000010"):
+        (checkpoints / name).mkdir(parents=True)
+        (derived_path(checkpoints / name) / "engine").mkdir(parents=True)
+    leftover = checkpoints / "universal" / ".tmp-ckpt-s000000000010-123-abcd"  # a commit that was killed
+    leftover.mkdir()
+    (checkpoints / "universal" / "notes").mkdir()  # not perdure's: left alone
+    (checkpoints / "ckpt-s000000000005").rmdir()  # retention removed the original
+    prune_derived(checkpoints)
+    assert sorted(path.name for path in (checkpoints / "universal").iterdir()) == ["ckpt-s000000000010", "notes"]
