@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -103,7 +104,7 @@ def hand_loop(stage: int, steps: int, rank: int, world: int, dataset: Any) -> tu
 
     config = bench_config(stage, steps, Path(tempfile.gettempdir()), lean=False)
     model = make_model(FEATURES, WIDTH, LAYERS)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)  # the runner's optim.* defaults
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=engine_config(config, world))
     loader = ResumableLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0, drop_last=False, pin_memory=False,
                              seed=config.seed, rank=rank, world_size=world, pad=True)  # fmt: skip
@@ -230,10 +231,10 @@ def worker(args: argparse.Namespace) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
-        record = {"steps": measure_steps(args, rank, world, Path(scratch))}
-        logging.getLogger("perdure").setLevel(logging.WARNING)
-        record["saves"] = measure_saves(args, rank, world, Path(scratch))
+    scratch = Path(args.scratch)  # one directory for both ranks: a checkpoint's ranks write into the same one
+    record = {"steps": measure_steps(args, rank, world, scratch)}
+    logging.getLogger("perdure").setLevel(logging.WARNING)
+    record["saves"] = measure_saves(args, rank, world, scratch)
     if rank == 0:
         print("RESULT " + json.dumps(record))
     dist.barrier()
@@ -245,14 +246,16 @@ def launch(args: argparse.Namespace, world: int = 2) -> dict[str, Any]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     RESULTS_DIR.mkdir(exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{NAME}-", dir=RESULTS_DIR))
     processes = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        command = [sys.executable, __file__, "--worker", "--scratch", str(RESULTS_DIR), "--steps", str(args.steps),
+        command = [sys.executable, __file__, "--worker", "--scratch", str(scratch), "--steps", str(args.steps),
                    "--rounds", str(args.rounds), "--repeats", str(args.repeats)]  # fmt: skip
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [process.communicate(timeout=1800) for process in processes]
+    shutil.rmtree(scratch, ignore_errors=True)
     for rank, (process, (_, errors)) in enumerate(zip(processes, outputs)):
         if process.returncode != 0:
             raise SystemExit(f"rank {rank} failed:\n{errors[-4000:]}")
