@@ -63,6 +63,8 @@ class DeepSpeedRunner(TorchRunner):
     # ---- building the engine --------------------------------------------------------------------------------------
 
     def restore(self, source: RestoreSource) -> None:
+        """Called in `__post_init__`, after the loaders are built: builds the engine, then restores as every stack does
+        (a checkpoint through the engine; `--pretrained` weights into the whole module before the engine is built)."""
         if source.kind == "pretrained":
             super().restore(source)  # into the whole module, before ZeRO-3 partitions it
             self._build_engine()
