@@ -48,13 +48,13 @@ def test_the_export_is_the_engine_weights_gathered_from_every_rank(references):
     assert all(tensor.dtype == torch.float32 for tensor in exported.values())
 
 
-@pytest.mark.parametrize("damage", ["truncate", "alter"])
-def test_a_damaged_shard_of_the_newest_checkpoint_falls_back_to_the_previous_one(references, killed, tmp_path, damage):
+def test_a_truncated_shard_of_the_newest_checkpoint_falls_back_to_the_previous_one(references, killed, tmp_path):
+    """(An altered file fails the same verification by its checksum instead of its size: tests/test_corruption.py.)"""
     reference, root = references("zero2"), killed("zero2", tmp_path / "runs")
     checkpoints = run_dir(root) / "checkpoints"
     shard = checkpoints / "ckpt-s000000000010" / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) // 2] if damage == "truncate" else data[:-64] + bytes(64))
+    shard.write_bytes(data[: len(data) // 2])
     rerun = run_ranks(2, "resumable.py", root, *args_of("zero2"), timeout=TIMEOUT,
                       LOSS_LOG=tmp_path / "rerun-{rank}.jsonl")  # fmt: skip
     assert_all_ok(rerun)
