@@ -24,6 +24,9 @@ DEFAULTS: dict[str, Any] = {
     "steps_per_print": 2**31 - 1,
     "wall_clock_breakdown": False,
     "zero_allow_untested_optimizer": True,  # the user's own torch optimizer, handed to ZeRO
+    # ... also with ZeRO-Offload (DeepSpeed would insist on its DeepSpeedCPUAdam, a compiled op: assign
+    # `self.optimizer = DeepSpeedCPUAdam(...)` in the runner for it)
+    "zero_force_ds_cpu_optimizer": False,
 }
 _MISSING = object()
 
