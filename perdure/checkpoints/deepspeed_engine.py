@@ -36,6 +36,7 @@ from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, wri
 from perdure.checkpoints.deepspeed_universal import UniversalSource, prune_derived
 from perdure.checkpoints.file import _save, local_file, read_local_states
 from perdure.errors import CheckpointError
+from perdure.safe_io import is_symlink
 
 logger = logging.getLogger("perdure")
 
@@ -151,6 +152,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         from perdure.checkpoints.deepspeed_io import recording_io
 
         recording_io(engine)
+        check_tag_dir(path / TAG)
         engine._config.load_universal_checkpoint = universal  # read by load_checkpoint only, for this one load
         try:
             load_path, client = engine.load_checkpoint(
@@ -169,12 +171,19 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         return client
 
 
+def check_tag_dir(tag_dir: Path) -> None:
+    """The engine's tag directory is a real directory of the checkpoint, not a symlink to files elsewhere."""
+    if is_symlink(tag_dir) or not tag_dir.is_dir():
+        raise CheckpointError(f"{tag_dir} is not a directory of the checkpoint (a symlink, a file or missing)")
+
+
 def check_engine_files(tag_dir: Path) -> list[Path]:
     """Every engine file of a tag directory checked against the allow-list (pickles only: tensor data is mapped, not
     read), before code that unpickles them without restriction (DeepSpeed's zero-to-fp32 and universal conversion)
     sees them. A CheckpointError names the file and the global; returns the files."""
     from perdure.checkpoints.safe_unpickle import load_deepspeed_file
 
+    check_tag_dir(tag_dir)
     files = sorted(path for path in tag_dir.rglob("*.pt") if path.is_file() or path.is_symlink())
     for path in files:
         try:
