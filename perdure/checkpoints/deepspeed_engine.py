@@ -138,6 +138,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         else:  # ZeRO partitions by rank: another world size loads DeepSpeed's universal form of the checkpoint
             self._universal = UniversalSource(path, TAG, self.rank)
             client = self._load_engine(self._universal.locate(self.world_size), holder.engine, universal=True)
+        _check_same_settings(path, client.get("ds_config") if isinstance(client, dict) else None, holder.engine)
         replicated = client.get(CLIENT_KEY) if isinstance(client, dict) else None
         if not isinstance(replicated, dict):
             raise CheckpointError(f"checkpoint {path}/{TAG} holds no perdure state in its client_state")
@@ -169,6 +170,35 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         if load_path is None:  # DeepSpeed only warns when it finds nothing; perdure never goes on from nothing
             raise CheckpointError(f"DeepSpeed found no engine checkpoint in {path / TAG}")
         return client
+
+
+# Settings that may differ between a checkpoint and the run continuing it: the global batch follows the world size.
+CHANGEABLE_SETTINGS = ("train_batch_size",)
+SHOWN = 5
+
+
+def _check_same_settings(path: Path, stored: Any, engine: Any) -> None:
+    """The engine settings a checkpoint was trained with (DeepSpeed stores them in it) against this engine's.
+
+    A run's identity holds `deepspeed.config` as given, so for a file its path, not its content: a file edited between
+    a save and a resume would otherwise change the maths of the run it continues without a word.
+    """
+    from perdure.config import flatten
+
+    current = engine.config
+    if not isinstance(stored, dict) or not isinstance(current, dict):
+        return
+    theirs, ours = flatten(stored), flatten(current)
+    changed = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
+    changed = [key for key in changed if key not in CHANGEABLE_SETTINGS]
+    if changed:
+        shown = ", ".join(f"{key}: {theirs.get(key)!r} -> {ours.get(key)!r}" for key in changed[:SHOWN])
+        more = f" (and {len(changed) - SHOWN} more)" if len(changed) > SHOWN else ""
+        raise CheckpointError(
+            f"checkpoint {path} was trained with other DeepSpeed settings than this run's: {shown}{more}. The file "
+            "given as deepspeed.config changed since: restore it to continue this run, or start a new run from the "
+            f"checkpoint's weights (--workspace.id <new id> --pretrained {path})"
+        )
 
 
 def check_tag_dir(tag_dir: Path) -> None:

@@ -83,6 +83,14 @@ def test_fp16_overflow_skips_are_reported_as_skipped_steps_with_a_deepspeed_json
     assert skipped and int(skipped[-1]) >= 3, "the loss scale starts far too high: the first steps overflow"
     manifest = verify_checkpoint(latest(tmp_path / "runs"))
     assert manifest["global_step"] == 6 and manifest["world_size"] == 1
+    # The run's identity holds the file's path: a file edited before the run is continued is refused, not used.
+    settings["fp16"]["loss_scale_window"] = 50
+    ds_json.write_text(json.dumps(settings))
+    result = run("resumable.py", tmp_path / "runs", *args, "--steps", "8", timeout=TIMEOUT)
+    assert result.returncode != 0
+    assert "was trained with other DeepSpeed settings than this run's: fp16.loss_scale_window: None -> 50" in (
+        result.stdout + result.stderr
+    )
 
 
 def test_a_raw_setting_contradicting_a_runner_key_is_refused_before_anything_is_written(tmp_path):
