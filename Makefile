@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: it takes the local CPU wheel; an unpinned torch would pull CUDA packages.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# DeepSpeed (in the dev extra): no op pre-build, and torch pinned in the same command so it cannot be upgraded.
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[dev]' torch==2.13.0
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 

@@ -1,6 +1,7 @@
 """Run the benchmarks (`make bench`): each in its own process, then one summary table.
 
-    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [gpu] [--strict]
+    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [deepspeed_step]
+                             [gpu] [--strict]
 
 Each benchmark prints its own table and writes `bench-results/<name>.json`; `gpu` says it skipped where there is no
 CUDA device. A missed target is reported, not
@@ -23,7 +24,7 @@ from typing import Any
 from _common import DEFAULT_THREADS, RESULTS_DIR, format_table
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save", "ddp_step", "gpu")
+BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save", "ddp_step", "deepspeed_step", "gpu")
 
 
 def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
@@ -68,6 +69,14 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
              f"{r['fixed_ms_per_step']:.2f}, {'yes' if r['same_layout_as_plain_after_rebuild'] else 'NO'}", "", ""]
             for key, r in results.items()
         ]  # fmt: skip
+    if name == "deepspeed_step":
+        rows = [[name, f"{key}: hand / runner ms per step, same weights", f"{r['hand_ms_per_step']:.2f} / "
+                 f"{r['runner_ms_per_step']:.2f}, {'yes' if r['same_weights_as_hand'] else 'NO'}", "", ""]
+                for key, r in results["steps"].items()]  # fmt: skip
+        saves = results["saves"]
+        rows.append([name, "save s: engine.save_checkpoint / perdure", f"{saves['engine_median_s']:.3f} / "
+                     f"{saves['perdure_median_s']:.3f}", "", ""])  # fmt: skip
+        return rows
     if name == "gpu":
         if "skipped" in results:
             return [[name, "skipped", results["skipped"], "", ""]]

@@ -16,6 +16,7 @@ from perdure.errors import (
     UnsafeFileError,
 )
 from perdure.runners.base import BaseRunner
+from perdure.runners.deepspeed_runner import DeepSpeedRunner
 from perdure.runners.runner import Runner
 from perdure.runners.state import RunnerState
 from perdure.runners.torch_runner import TorchRunner
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointPolicy",
     "ConfigError",
+    "DeepSpeedRunner",
     "FileCheckpointManager",
     "PerdureError",
     "ResumableLoader",

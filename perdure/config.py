@@ -24,7 +24,7 @@ from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
 from perdure.safe_io import MAX_YAML_BYTES, UnsafeFileError, escape_terminal, load_yaml, loads_json, read_regular
 
-STACKS = ("torch", "parallel", "deepspeed")
+STACKS = ("torch", "parallel", "deepspeed", "ds")  # ds: an alias of deepspeed
 PRECISIONS = ("fp32", "bf16", "fp16")
 CKPT_BACKENDS = ("auto", "file", "dcp", "deepspeed")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -148,6 +148,11 @@ class RunnerConfig(chanfig.Config):
         self.resilience.exit_code = None  # exit status after a preemption; None: 128 + signal number
         self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
         self.dist.timeout = 600  # seconds a collective may wait before the run fails instead of hanging
+        # stack=deepspeed (docs/deepspeed.md); this section is no part of other stacks' config identity.
+        self.deepspeed.zero_stage = 2  # 0 (plain data parallel), 1, 2 or 3
+        self.deepspeed.offload_optimizer = False  # ZeRO-Offload of optimizer states to the CPU
+        self.deepspeed.offload_param = False  # ZeRO-3 parameter offload to the CPU
+        self.deepspeed.config = None  # raw DeepSpeed settings: a dict, or a JSON / YAML file
 
     # ------------------------------------------------------------------ views
 
@@ -347,6 +352,7 @@ class RunnerConfig(chanfig.Config):
         if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
         self._check_loaders(c.get("dataloader", {}))
+        self._check_stack_keys(get("stack"), get("ckpt.backend"))
         self.check_user_keys()
         return self
 
@@ -356,6 +362,16 @@ class RunnerConfig(chanfig.Config):
         Called at the end of `check()`, which `parse()` runs, and again when a runner is built: always before anything
         is written, so a bad value never leaves a run directory behind. Must not change the config. Default: nothing.
         """
+
+    def _check_stack_keys(self, stack: str, backend: str) -> None:
+        if stack in ("deepspeed", "ds"):
+            from perdure.distributed.process_group import launched_world_size
+            from perdure.runners.deepspeed_config import check_engine_config
+
+            check_engine_config(self, launched_world_size())
+        elif backend == "deepspeed":
+            raise ConfigError("ckpt.backend", backend, "the DeepSpeed engine's checkpoints need stack=deepspeed; use "
+                              "auto, file or dcp")  # fmt: skip
 
     def _check_loaders(self, loader: Mapping[str, Any]) -> None:
         _check_loader("dataloader", loader, required=True)

@@ -70,6 +70,28 @@ def read_losses(path: Path) -> dict[tuple[int, int, int], str]:
     return losses
 
 
+def wait_for_lines(path: Path, count: int, processes: list[subprocess.Popen], timeout: float = 120) -> None:
+    """Wait until `path` has `count` lines (e.g. a LOSS_LOG: so many micro-batches done) while every process runs."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and len(path.read_text().splitlines()) >= count):
+        assert time.monotonic() < deadline, f"{path} never reached {count} lines"
+        assert all(process.poll() is None for process in processes), "a rank ended early"
+        time.sleep(0.01)
+
+
+def epoch_samples(logs: Path, prefix: str, ranks: int, keep) -> tuple[list[int], set[int]]:
+    """The samples of epoch 0 that SAMPLE_LOG recorded in `logs/<prefix>-<rank>.jsonl` at the steps `keep` accepts,
+    and every step logged."""
+    seen, steps = [], set()
+    for rank in range(ranks):
+        for line in (logs / f"{prefix}-{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            steps.add(record["step"])
+            if record["epoch"] == 0 and keep(record["step"]):
+                seen.extend(record["samples"])
+    return seen, steps
+
+
 def final_weights(root: Path, name: str = "model.pth") -> dict[str, torch.Tensor]:
     return torch.load(run_dir(root) / name, weights_only=True)
 

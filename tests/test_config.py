@@ -377,8 +377,13 @@ def test_existing_checkpoint_and_pretrained_paths_pass(tmp_path):
 
 
 def test_all_backends_and_choices_accepted():
-    for backend in ("auto", "file", "dcp", "deepspeed"):
+    for backend in ("auto", "file", "dcp"):
         assert parse("--ckpt.backend", backend).ckpt.backend == backend
+    assert parse("--stack", "deepspeed", "--ckpt.backend", "deepspeed").ckpt.backend == "deepspeed"
+    with pytest.raises(ConfigError, match="'ckpt.backend' = 'deepspeed': the DeepSpeed engine's checkpoints need"):
+        parse("--ckpt.backend", "deepspeed")
+    with pytest.raises(ConfigError, match="'ckpt.backend' = 'dcp': stack=deepspeed saves through the engine"):
+        parse("--stack", "ds", "--ckpt.backend", "dcp")
     for name in ("none", "constant", "cosine", "linear"):
         assert parse("--sched.name", name).sched.name == name
     assert parse("--ckpt.export_dtype", "bf16").ckpt.export_dtype == "bf16"

@@ -13,6 +13,9 @@ perdure reads goes through an allow-list:
 - `RestrictedFileSystemReader` is the `FileSystemReader` every DCP load uses: its metadata comes from
   `read_dcp_metadata`, and it only reads with `RestrictedLoadPlanner`, whose non-tensor entries go through
   `load_torch_bytes` (torch's default planner would `torch.load(weights_only=False)` them).
+- DeepSpeed engine files (`*_model_states.pt`, `*_optim_states.pt`, universal `zero/*/*.pt`) are `torch.save` files
+  that also hold four DeepSpeed classes (`DEEPSPEED_GLOBALS`). `load_deepspeed_file` reads them with
+  `weights_only=True` and exactly those classes allowed.
 """
 
 from __future__ import annotations
@@ -129,6 +132,40 @@ def load_torch_file(path: Path, *, follow_symlinks: bool = False) -> Any:
     fd = open_regular(path, follow_symlinks=follow_symlinks)
     with os.fdopen(fd, "rb") as file:
         return load_torch_bytes(file, path)
+
+
+# ---------------------------------------------------------------------- DeepSpeed
+
+# The DeepSpeed classes found in the engine's checkpoint files (DeepSpeed 0.19.8; ZeRO 0-3; fp32, bf16, fp16; universal
+# checkpoints): records whose unpickling sets attributes (or, for the enum, looks a member up) and runs nothing else.
+# Named rather than imported here: DeepSpeed is an optional extra and slow to import.
+DEEPSPEED_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),  # the static loss scale of fp32 / bf16 ZeRO optimizers
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),  # fp16's dynamic loss scale
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),  # an int enum: the ZeRO stage
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),  # a dataclass of two ints: (numel, start)
+)
+
+
+def deepspeed_globals() -> list[Any]:
+    """The classes of `DEEPSPEED_GLOBALS` (imports DeepSpeed)."""
+    import importlib
+
+    return [getattr(importlib.import_module(module), name) for module, name in DEEPSPEED_GLOBALS]
+
+
+def load_deepspeed_file(path: Path, *, mmap: bool = False) -> Any:
+    """A DeepSpeed engine file, `torch.load(weights_only=True)` with `DEEPSPEED_GLOBALS` allowed and nothing else; a
+    refusal is a `CheckpointError` naming the file and the global. `mmap` maps tensor data instead of reading it (a
+    cheap check of the pickle alone). OSError (missing, a symlink, not a regular file) passes through."""
+    os.close(open_regular(path))  # a regular file, not a symlink: torch.load below opens it by name (mmap needs that)
+    with torch.serialization.safe_globals(deepspeed_globals()):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as error:
+            raise _torch_refusal(path, error) from None
+        except RuntimeError as error:  # not a zip archive torch can read (truncated, garbage)
+            raise CheckpointError(f"{path} is not a torch.save file perdure can read ({error})") from None
 
 
 # ---------------------------------------------------------------------- DCP

@@ -11,19 +11,10 @@ BACKENDS = ("auto", "file", "dcp", "deepspeed")
 
 
 def manager_class(backend: str, world_size: int) -> type[CheckpointManager]:
-    """The manager class for `ckpt.backend`: `file`, `dcp`, or `auto` (DCP when several ranks train, else file).
-
-    `deepspeed` (the engine's own checkpoints) is not available yet and is refused with a clear ConfigError.
-    """
+    """The manager class for `ckpt.backend`: `file`, `dcp`, `deepspeed` (the engine's own checkpoints, for
+    stack=deepspeed, whose runner selects it itself), or `auto` (DCP when several ranks train, else file)."""
     if backend == "auto":
         backend = "dcp" if world_size > 1 and dist.is_available() else "file"
-    if backend == "deepspeed":
-        raise ConfigError(
-            "ckpt.backend",
-            backend,
-            "the DeepSpeed engine checkpoint backend is not available yet in this version of perdure; "
-            "use auto, file or dcp",
-        )
     if backend == "dcp" and not dist.is_available():
         raise ConfigError("ckpt.backend", backend, "this PyTorch build has no torch.distributed; use file or auto")
     return backend_class(backend)
@@ -39,4 +30,8 @@ def backend_class(backend: str) -> type[CheckpointManager]:
         from perdure.checkpoints.dcp import DCPCheckpointManager
 
         return DCPCheckpointManager
+    if backend == "deepspeed":
+        from perdure.checkpoints.deepspeed_engine import DeepSpeedCheckpointManager
+
+        return DeepSpeedCheckpointManager
     raise ConfigError("ckpt.backend", backend, f"use one of {', '.join(BACKENDS)}")

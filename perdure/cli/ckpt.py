@@ -67,7 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument(
         "checkpoint",
         type=Path,
-        help="checkpoint dir, a run / checkpoints dir (its latest), or RUN/best, RUN/latest; any backend (file, DCP)",
+        help="checkpoint dir, a run / checkpoints dir (its latest), or RUN/best, RUN/latest; any backend",
     )
     export.add_argument("out", type=Path, help="output file (.pth or .safetensors)")
     export.add_argument("--format", choices=("pth", "safetensors"), help="output format (default: from OUT's suffix)")
@@ -392,9 +392,10 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
         return read_weights(path), str(path)
     info: CheckpointInfo = resolve_path(path)
     backend = info.manifest.get("backend", "file")
-    if backend not in ("file", "dcp"):
+    if backend not in ("file", "dcp", "deepspeed"):
         raise CheckpointError(
-            f"checkpoint {info.path} was written by backend {safe_name(backend)}; export reads file and dcp checkpoints"
+            f"checkpoint {info.path} was written by backend {safe_name(backend)}; export reads file, dcp and "
+            "deepspeed checkpoints"
         )
     where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
     where.append(f"backend {backend}")  # one of the two checked above

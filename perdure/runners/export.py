@@ -49,6 +49,10 @@ def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
         from perdure.checkpoints.dcp import read_dcp_weights
 
         return read_dcp_weights(info.path, ema=ema)
+    if info.manifest.get("backend") == "deepspeed":
+        from perdure.checkpoints.deepspeed_engine import read_deepspeed_weights
+
+        return read_deepspeed_weights(info.path, ema=ema)
     state = _load(info.path / REPLICATED_FILE)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{info.path / REPLICATED_FILE} holds no model state; it is not a perdure checkpoint")

@@ -40,6 +40,8 @@ NON_IDENTITY_KEYS = (
     "deterministic",
 )
 
+DEEPSPEED_STACKS = ("deepspeed", "ds")
+
 # Fixed diff options, so the hash of a dirty tree does not depend on the user's git configuration.
 _DIFF_ARGS = (
     "HEAD",
@@ -69,12 +71,16 @@ def _excluded(key: str) -> bool:
 def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The part of `config` that changes the maths (user keys included), as nested plain dicts.
 
-    Drops every key matched by `NON_IDENTITY_KEYS` and empty-dict leaves.
+    Drops every key matched by `NON_IDENTITY_KEYS` and empty-dict leaves; the `deepspeed` section counts only for
+    `stack=deepspeed` (whose alias `ds` counts as `deepspeed`).
     """
     canonical: dict[str, Any] = {}
+    stack = plain_dict(config).get("stack")
     for key, value in flatten(plain_dict(config)).items():
-        if _excluded(key):
+        if _excluded(key) or (key.startswith("deepspeed.") and stack not in DEEPSPEED_STACKS):
             continue
+        if key == "stack" and value in DEEPSPEED_STACKS:
+            value = "deepspeed"
         node = canonical
         *sections, leaf = key.split(".")
         for section in sections:

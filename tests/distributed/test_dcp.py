@@ -17,6 +17,7 @@ from perdure import ConfigError, FileCheckpointManager
 from perdure.checkpoints.async_save import AsyncSaver, SaveJob
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
 from perdure.checkpoints.dcp import DCPCheckpointManager, read_dcp_weights
+from perdure.checkpoints.deepspeed_engine import DeepSpeedCheckpointManager
 from perdure.checkpoints.select import manager_class
 from perdure.checkpoints.snapshot import Snapshot
 from perdure.runners.export import read_weights
@@ -24,6 +25,7 @@ from tests.runs import (
     assert_all_ok,
     assert_ok,
     assert_same_weights,
+    epoch_samples,
     final_weights,
     read_losses,
     run,
@@ -173,18 +175,8 @@ def test_dcp_checkpoint_of_two_ranks_resumes_on_another_world_size(tmp_path, res
     assert manifest["global_step"] == 30 and manifest["world_size"] == resume_ranks
     assert manifest["backend"] == ("file" if backend == "auto" else "dcp")
 
-    def samples(prefix, ranks, keep):
-        seen, steps = [], set()
-        for rank in range(ranks):
-            for line in (tmp_path / f"{prefix}-{rank}.jsonl").read_text().splitlines():
-                record = json.loads(line)
-                steps.add(record["step"])
-                if record["epoch"] == 0 and keep(record["step"]):
-                    seen.extend(record["samples"])
-        return seen, steps
-
-    before, _ = samples("first", 2, lambda step: step < 5)
-    after, steps = samples("second", resume_ranks, lambda step: True)
+    before, _ = epoch_samples(tmp_path, "first", 2, lambda step: step < 5)
+    after, steps = epoch_samples(tmp_path, "second", resume_ranks, lambda step: True)
     assert min(steps) == 5 and max(steps) == 29, "training continued from the checkpoint's step"
     assert sorted(before + after) == list(range(96)), "every sample of the interrupted epoch exactly once"
 
@@ -269,8 +261,9 @@ def test_backend_selection():
     assert manager_class("dcp", 1) is DCPCheckpointManager
     assert manager_class("auto", 1) is FileCheckpointManager
     assert manager_class("auto", 2) is DCPCheckpointManager
-    with pytest.raises(ConfigError, match="'ckpt.backend' = 'deepspeed'.*not available yet"):
-        manager_class("deepspeed", 2)
+    assert manager_class("deepspeed", 2) is DeepSpeedCheckpointManager
+    with pytest.raises(ConfigError, match="'ckpt.backend' = 'tape'"):
+        manager_class("tape", 2)
 
 
 class FileRunner(ResumableRunner):

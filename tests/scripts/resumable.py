@@ -16,6 +16,10 @@ Environment knobs (tests only):
   FAULT_RANK    install FAULT on this rank only (default: on every rank)
   SETUP_FAIL    "model": the runner's __init__ raises while building the model (a failed setup)
   UNSAVEABLE    checkpoints carry a user object that torch.save cannot serialize
+  NAN_AT_STEP   the loss of the first micro-batch at this global step is NaN (on rank NAN_RANK only, default every rank)
+  GATHERED_WEIGHTS  stack=deepspeed: after training, rank 0 saves the engine's fp32 weights gathered from every rank
+                (`safe_get_full_fp32_param`) to this path
+  RESTORED_STATE  stack=deepspeed: the same, right after the restore (before training), with the optimizer's steps
 """
 
 import contextlib
@@ -102,6 +106,9 @@ class ResumableRunner(Runner):
         self.loss_log = os.environ.get("LOSS_LOG", "").replace("{rank}", str(self.rank)) or None
         self.step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
         self.kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
+        self.nan_at = int(os.environ.get("NAN_AT_STEP", "-1"))
+        self.nan_here = os.environ.get("NAN_RANK", str(self.rank)) == str(self.rank)
+        self._nan_done = False
         self._position = None
         self._micro = 0
 
@@ -115,6 +122,9 @@ class ResumableRunner(Runner):
         if self.state.global_step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         loss = super().train_step(batch)
+        if self.state.global_step == self.nan_at and self.nan_here and not self._nan_done:
+            self._nan_done = True  # one window only: the skipped step is retried with the next batches
+            loss = loss * float("nan")
         position = (self.state.epoch, self.state.global_step)
         self._micro = self._micro + 1 if position == self._position else 0
         self._position = position
@@ -196,8 +206,23 @@ def install_fault(spec: str) -> None:
         raise ValueError(f"unknown fault point {point!r}")
 
 
+def save_gathered(runner, path) -> None:
+    """stack=deepspeed: the engine's fp32 weights gathered from every rank (collective), and the optimizer's steps."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    weights = {name: safe_get_full_fp32_param(p).clone() for name, p in runner.engine.module.named_parameters()}
+    steps = sorted({float(state["step"]) for state in runner.engine.optimizer.optimizer.state.values()})
+    if runner.rank == 0:
+        torch.save({"weights": weights, "steps": steps}, path)
+
+
 if __name__ == "__main__":
     rank = os.environ.get("RANK", "0")
     if os.environ.get("FAULT") and os.environ.get("FAULT_RANK", rank) == rank:
         install_fault(os.environ["FAULT"])
-    ResumableRunner(Config().parse()).train()
+    runner = ResumableRunner(Config().parse())
+    if os.environ.get("RESTORED_STATE"):
+        save_gathered(runner, os.environ["RESTORED_STATE"])
+    runner.train()
+    if os.environ.get("GATHERED_WEIGHTS"):
+        save_gathered(runner, os.environ["GATHERED_WEIGHTS"])

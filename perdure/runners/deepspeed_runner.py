@@ -1,0 +1,155 @@
+"""DeepSpeedRunner: ZeRO 0-3 through the DeepSpeed engine, driven by the one loop of `base.py`.
+
+The runner builds the engine from its config (`deepspeed_config.engine_config`: the runner's keys over the user's raw
+DeepSpeed settings) with the user's model and torch optimizer; the scheduler stays the runner's and is stepped by the
+loop as on every stack. The loop's override points map onto the engine:
+
+    no_sync(last_micro_batch)  engine.set_gradient_accumulation_boundary(last): DeepSpeed reduces and steps only at
+                               the window's last micro-batch, however long the window is (an epoch's last may be short)
+    backward(loss)             engine.backward(loss, scale_wrt_gas=False): the loop already divided by the window
+    optimizer_step()           engine.step(): clipping, the non-finite / fp16-overflow skip (agreed by every rank in
+                               DeepSpeed's own all-reduce), the step, zeroed gradients; `was_step_applied()` is the
+                               answer the loop counts skipped steps with
+    checkpoint_states()        the engine replaces model and optimizer: the deepspeed backend saves it with
+                               `engine.save_checkpoint` into perdure's staging dir (`checkpoints/deepspeed_engine.py`)
+
+The engine is built when the restore begins, because a DeepSpeed checkpoint can only be loaded into an engine; a
+`--pretrained` load goes into the plain module first, which the engine then partitions.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from perdure.checkpoints.base import Stateful
+from perdure.checkpoints.deepspeed_engine import DeepSpeedCheckpointManager, EngineState, read_deepspeed_weights
+from perdure.checkpoints.source import RestoreSource
+from perdure.distributed.collectives import all_ranks
+from perdure.distributed.deepspeed_env import import_deepspeed
+from perdure.distributed.process_group import launched_world_size, select_backend
+from perdure.runners.deepspeed_config import engine_config
+from perdure.runners.ema import ExponentialMovingAverage
+from perdure.runners.export import export_weights
+from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
+
+
+class DeepSpeedRunner(TorchRunner):
+    """`stack=deepspeed` (alias `ds`). See the module docstring; the user's side is the same as on the torch stack."""
+
+    checkpoint_manager_class = DeepSpeedCheckpointManager
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.engine: Any = None
+        self.scaler = None  # DeepSpeed's fp16 optimizers scale the loss themselves (dynamic loss scaling)
+
+    def init_distributed(self) -> tuple[int, int]:
+        """Torch's process group (gloo on CPU, NCCL on CUDA), which DeepSpeed then uses; a lone process gets a group
+        of one, since the engine needs one."""
+        import_deepspeed()
+        if launched_world_size() == 1 and not dist.is_initialized():
+            os.environ.setdefault("LOCAL_RANK", "0")  # the engine asks for it; nothing else reads it here
+            backend = select_backend(self.config.dist.backend)
+            timeout = timedelta(seconds=self.config.dist.timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return super().init_distributed()
+
+    # ---- building the engine --------------------------------------------------------------------------------------
+
+    def restore(self, source: RestoreSource) -> None:
+        """Called in `__post_init__`, after the loaders are built: builds the engine, then restores as every stack does
+        (a checkpoint through the engine; `--pretrained` weights into the whole module before the engine is built)."""
+        if source.kind == "pretrained":
+            super().restore(source)  # into the whole module, before ZeRO-3 partitions it
+            self._build_engine()
+        else:
+            self._build_engine()
+            super().restore(source)
+
+    def _build_engine(self) -> None:
+        deepspeed = import_deepspeed()
+        settings = engine_config(self.config, self.world_size)
+        self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer, config=settings)
+        self.model = self.engine
+        stage = self.engine.zero_optimization_stage()
+        if stage in (1, 2) and self.config.precision == "fp32":
+            # ZeRO 1/2 check fp32 gradients for inf / NaN only when told to (bf16 has a config key, fp16 always does)
+            self.engine.optimizer.check_grad_overflow = bool(self.config.skip_nonfinite_grad)
+        if stage == 3 and self.ema is not None:
+            self.ema = _GatheringEMA(self.ema)
+
+    def wrap_model(self) -> None:
+        """Nothing to wrap: the engine was built when the restore began."""
+
+    def unwrap_model(self) -> torch.nn.Module:
+        return self.engine.module if self.engine is not None else self.model
+
+    # ---- the loop's override points -----------------------------------------------------------------------------
+
+    def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
+        self.engine.set_gradient_accumulation_boundary(last_micro_batch)
+        return NO_CONTEXT
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self) -> bool:
+        engine = self.engine
+        if self._checks_finite_itself():
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            finite = self._grads_finite(grads)
+            if self.world_size > 1:
+                finite = all_ranks(finite)
+            if not finite:
+                engine.zero_grad()
+                return False
+        engine.step()
+        return bool(engine.was_step_applied())
+
+    def _checks_finite_itself(self) -> bool:
+        """ZeRO-0 without fp16 steps whatever the gradients hold: the runner checks them (as the torch stack does)."""
+        return (
+            self.engine.zero_optimization_stage() == 0
+            and self.config.precision != "fp16"
+            and (self.config.skip_nonfinite_grad)
+        )
+
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """The engine in place of model and optimizer (it saves both, partitioned); the rest as on every stack."""
+        states: dict[str, Stateful] = {}
+        for key, state in super().checkpoint_states().items():
+            if key == "model":
+                states["engine"] = EngineState(self.engine)
+            elif key != "optimizer":
+                states[key] = state
+        return states
+
+    def export_model(self) -> Any:
+        """`model.pth`: the fp32 weights of the checkpoint just committed, gathered from every rank's partition
+        (DeepSpeed's zero-to-fp32 routine, its files read through the allow-list); EMA as on the torch stack."""
+        dtype = self.config.ckpt.export_dtype
+        checkpoint = self.run_dir.checkpoints / self._position_name()
+        path = export_weights(read_deepspeed_weights(checkpoint), self.run_dir.path / "model.pth", dtype)
+        if self.ema is not None:
+            export_weights(self.ema.weights(), self.run_dir.path / "model-ema.pth", dtype)
+        return path
+
+
+class _GatheringEMA(ExponentialMovingAverage):
+    """The EMA under ZeRO-3, where each rank's module holds only its partition: every update gathers the whole
+    parameters first (a collective: the loop updates the EMA on every rank at the same step)."""
+
+    def __init__(self, ema: ExponentialMovingAverage) -> None:
+        self.__dict__.update(ema.__dict__)
+
+    def update(self, model: torch.nn.Module) -> None:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            super().update(model)

@@ -1,0 +1,146 @@
+"""stack=deepspeed under faults and bad input: SIGTERM to one rank, a non-finite step on one rank, fp16 overflow
+skips, a raw DeepSpeed setting that contradicts a runner key, a checkpoint whose pickle would run code, and the export
+loaded with --pretrained on the torch stack."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shutil
+import signal
+
+import pytest
+import torch
+
+from perdure import CheckpointError
+from perdure.checkpoints.commit import read_pointer, verify_checkpoint
+from perdure.checkpoints.deepspeed_engine import read_deepspeed_weights
+from perdure.runners.export import read_weights
+from tests.deepspeed.conftest import ARGS, TIMEOUT, args_of
+from tests.runs import (
+    assert_all_ok,
+    assert_ok,
+    assert_same_weights,
+    final_weights,
+    read_losses,
+    run,
+    run_dir,
+    run_ranks,
+    start_ranks,
+    wait_for_lines,
+)
+from tests.security.hostile import CodeThatReturns, rewrite_manifest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def latest(root):
+    checkpoints = run_dir(root) / "checkpoints"
+    return checkpoints / read_pointer(checkpoints, "latest")
+
+
+def test_sigterm_to_rank_one_saves_every_rank_at_the_same_step(references, tmp_path):
+    reference, root, args = references("zero2"), tmp_path / "runs", args_of("zero2")
+    processes = start_ranks(2, "resumable.py", root, *args, STEP_SLEEP="0.05", LOSS_LOG=tmp_path / "first-{rank}.jsonl")
+    wait_for_lines(tmp_path / "first-0.jsonl", 7, processes)
+    processes[1].send_signal(signal.SIGTERM)
+    outputs = [process.communicate(timeout=120)[0] for process in processes]
+    assert [process.returncode for process in processes] == [143, 143], outputs
+    stopped = int(re.search(r"checkpointing step (\d+)", outputs[0]).group(1))
+    assert 0 < stopped < 14
+    manifest = verify_checkpoint(latest(root))
+    assert manifest["global_step"] == stopped and manifest["reason"] == "preemption" and manifest["world_size"] == 2
+    rerun = run_ranks(2, "resumable.py", root, *args, timeout=TIMEOUT, LOSS_LOG=tmp_path / "rerun-{rank}.jsonl")
+    assert_all_ok(rerun)
+    for rank in range(2):
+        expected = read_losses(reference / f"losses-{rank}.jsonl")
+        resumed = read_losses(tmp_path / f"rerun-{rank}.jsonl")
+        assert min(position[1] for position in resumed) == stopped
+        assert all(expected[position] == loss for position, loss in resumed.items()), f"rank {rank} differs"
+    assert_same_weights(final_weights(reference), final_weights(root))
+
+
+def test_a_non_finite_step_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    root = tmp_path / "runs"
+    results = run_ranks(2, "resumable.py", root, *ARGS, "--steps", "6", timeout=TIMEOUT, NAN_AT_STEP="3", NAN_RANK="1")
+    assert_all_ok(results)
+    for result in results:  # rank 0 saw finite gradients of its own: the skip was agreed
+        assert "non-finite gradients at step 3: optimizer step skipped (1 skipped so far)" in result.stdout
+    assert verify_checkpoint(latest(root))["global_step"] == 6
+    assert all(torch.isfinite(tensor).all() for tensor in final_weights(root).values())
+
+
+def test_fp16_overflow_skips_are_reported_as_skipped_steps_with_a_deepspeed_json_config(tmp_path):
+    """One process (the engine gets a process group of one); an existing DeepSpeed JSON file supplies fp16 settings."""
+    ds_json = tmp_path / "ds_config.json"
+    settings = {"fp16": {"initial_scale_power": 24, "hysteresis": 1}, "zero_optimization": {"stage": 1}}
+    ds_json.write_text(json.dumps({**settings, "train_micro_batch_size_per_gpu": "auto"}))
+    args = (*ARGS, "--precision", "fp16", "--deepspeed.zero_stage", "1", "--deepspeed.config", str(ds_json))
+    result = run("resumable.py", tmp_path / "runs", *args, "--steps", "6", timeout=TIMEOUT)
+    assert_ok(result)
+    skipped = re.findall(r"optimizer step skipped \((\d+) skipped so far\)", result.stdout + result.stderr)
+    assert skipped and int(skipped[-1]) >= 3, "the loss scale starts far too high: the first steps overflow"
+    manifest = verify_checkpoint(latest(tmp_path / "runs"))
+    assert manifest["global_step"] == 6 and manifest["world_size"] == 1
+    # The run's identity holds the file's path: a file edited before the run is continued is refused, not used.
+    settings["fp16"]["loss_scale_window"] = 50
+    ds_json.write_text(json.dumps(settings))
+    result = run("resumable.py", tmp_path / "runs", *args, "--steps", "8", timeout=TIMEOUT)
+    assert result.returncode != 0
+    assert "was trained with other DeepSpeed settings than this run's: fp16.loss_scale_window: None -> 50" in (
+        result.stdout + result.stderr
+    )
+
+
+def test_a_raw_setting_contradicting_a_runner_key_is_refused_before_anything_is_written(tmp_path):
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text(json.dumps({"gradient_clipping": 1.0, "zero_optimization": {"stage": 2}}))
+    result = run("resumable.py", tmp_path / "runs", *ARGS, "--deepspeed.config", str(ds_json), timeout=60)
+    assert result.returncode == 2
+    assert "config key 'deepspeed.config' = 'gradient_clipping=1.0': contradicts max_grad_norm=None" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_export_loads_with_pretrained_on_the_torch_stack_and_reproduces_the_eval_loss(references, tmp_path):
+    from perdure.cli.main import main as perdure_cli
+
+    reference = references("zero3-ema")
+    exported = final_weights(reference)
+    assert_same_weights(exported, read_weights(run_dir(reference)))  # --pretrained RUN_DIR reads the checkpoint
+    assert_same_weights(final_weights(reference, "model-ema.pth"), read_weights(run_dir(reference), ema=True))
+    assert perdure_cli(["ckpt", "export", str(run_dir(reference)), str(tmp_path / "cli.pth")]) == 0
+    assert_same_weights(exported, torch.load(tmp_path / "cli.pth", weights_only=True))
+    # The torch stack, 2 ranks, the export as --pretrained, one step at lr 0: its final evaluation sees the same weights
+    # and the same validation batches as the reference's last one.
+    args = ("--steps", "1", "--optim.lr", "0", "--dataset_size", "48", "--dataloader.batch_size", "4")
+    pretrained = ("--pretrained", str(run_dir(reference) / "model.pth"))
+    assert_all_ok(run_ranks(2, "resumable.py", tmp_path / "torch", *args, *pretrained, timeout=TIMEOUT))
+
+    def val_loss(root):
+        with open(run_dir(root) / "metrics.csv") as file:
+            rows = [row for row in csv.DictReader(file) if row["split"] == "val" and row["name"] == "loss"]
+        return float(rows[-1]["value"])
+
+    assert val_loss(tmp_path / "torch") == pytest.approx(val_loss(reference), rel=1e-6)
+
+
+@pytest.mark.parametrize("file", ["mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+def test_a_deepspeed_checkpoint_whose_pickle_runs_code_is_refused(references, tmp_path, file):
+    root = tmp_path / "runs"
+    shutil.copytree(references("zero2"), root, symlinks=True)
+    checkpoint, marker = latest(root), tmp_path / "PWNED"
+    target = checkpoint / "engine" / file
+    state = torch.load(target, weights_only=False)  # the test's own file
+    state["ds_version"] = CodeThatReturns(marker, state["ds_version"])
+    torch.save(state, target)
+    rewrite_manifest(checkpoint)  # as an attacker would
+    with pytest.raises(CheckpointError, match=rf"refused to load {re.escape(str(target))}: .*builtins\.eval"):
+        read_deepspeed_weights(checkpoint)  # --pretrained, ckpt export and the export read this way
+    if file.startswith("mp_rank"):  # every rank reads it on resume: both refuse
+        result = run_ranks(2, "resumable.py", root, *args_of("zero2"), "--steps", "16", timeout=TIMEOUT)
+        for rank in range(2):
+            assert result[rank].returncode != 0
+        output = result[0].stdout
+        assert f"refused to load {target}" in output and "builtins.eval" in output, output
+    assert not marker.exists()
