@@ -22,6 +22,8 @@ from typing_extensions import Self
 from perdure import config_text
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
+from perdure.ft.config import DEFAULTS as FT_DEFAULTS
+from perdure.ft.config import check_ft
 from perdure.safe_io import MAX_YAML_BYTES, UnsafeFileError, escape_terminal, load_yaml, loads_json, read_regular
 
 STACKS = ("torch", "parallel", "deepspeed")
@@ -148,6 +150,8 @@ class RunnerConfig(chanfig.Config):
         self.resilience.exit_code = None  # exit status after a preemption; None: 128 + signal number
         self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
         self.dist.timeout = 600  # seconds a collective may wait before the run fails instead of hanging
+        for key, value in FT_DEFAULTS.items():  # TorchFT replica groups: see perdure/ft/config.py
+            self.ft[key] = value
 
     # ------------------------------------------------------------------ views
 
@@ -347,6 +351,7 @@ class RunnerConfig(chanfig.Config):
         if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
         self._check_loaders(c.get("dataloader", {}))
+        check_ft(get)
         self.check_user_keys()
         return self
 
