@@ -57,9 +57,17 @@ class ReplicaSidecar(Sidecar):
         self.replica_id = replica_id
         self.reporting = False
         self._own: dict[str, Any] | None = None
+        self._earlier_ft: Any = None
         super().__init__(run_dir, **identity)
         self.record_ft = {"replica_id": replica_id, "quorum_changes": [], "heals": []}
-        self._data["ft"] = {"group_size": group_size, "replicas": {}}
+        earlier = self._earlier_ft if isinstance(self._earlier_ft, dict) else {}
+        replicas = earlier.get("replicas") if isinstance(earlier.get("replicas"), dict) else {}
+        self._data["ft"] = {"group_size": group_size, "replicas": dict(replicas)}
+
+    def _load_earlier(self) -> dict[str, Any] | None:
+        earlier = super()._load_earlier()
+        self._earlier_ft = earlier.get("ft") if earlier is not None else None
+        return earlier
 
     @property
     def current_attempt(self) -> dict[str, Any] | None:
@@ -70,8 +78,12 @@ class ReplicaSidecar(Sidecar):
         with self._lock:
             everyone = self._data["attempts"]
             self._data["attempts"] = [a for a in everyone if _replica_of(a) == self.replica_id]
+            previous = self._data["attempts"][-1] if self._data["attempts"] else None
             try:
                 self._own = super().start_attempt(**kwargs)
+                # What *this group* trained past the checkpoint it resumes (the shared heartbeat is any group's).
+                reached = int(previous.get("last_step") or 0) if previous is not None else 0
+                self._own["steps_lost"] = max(reached - int(kwargs["resumed_step"]), 0)
             finally:
                 others = [a for a in everyone if _replica_of(a) != self.replica_id]
                 self._data["attempts"] = sorted(others + self._data["attempts"], key=lambda a: str(a.get("started")))
@@ -180,6 +192,7 @@ class ReplicaTelemetry(RunTelemetry):
             super().flush()
             return
         self.heartbeat.beat(self.state.global_step)
+        self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)  # this group's own attempt
         now = time.monotonic()
         if now - self._sidecar_at > 10.0:
             self._write_sidecar(durable=False)
