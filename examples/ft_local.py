@@ -51,17 +51,27 @@ def group_command(replica: int, root: Path, lighthouse: str, nproc: int) -> list
 
 def start_group(replica: int, root: Path, lighthouse: str, nproc: int, attempt: str) -> subprocess.Popen:
     log = root.parent / f"group{replica}-{attempt}.log"
-    say(f"  $ {' '.join(group_command(replica, root, lighthouse, nproc)[1:])}    # > {log.name}")
+    say(f"  $ python {' '.join(group_command(replica, root, lighthouse, nproc)[1:])}    # > {log.name}")
     env = {"MLP_STEP_DELAY": "0.05", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
     environ = {key: value for key, value in os.environ.items() if not key.startswith(("PERDURE_", "MLP_", "TORCHFT_"))}
-    with open(log, "w") as output:  # a session of its own: the whole group (torchrun and its ranks) dies together
-        return subprocess.Popen(
-            group_command(replica, root, lighthouse, nproc),
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env={**environ, **env},
-            start_new_session=True,
-        )
+    with open(log, "w") as output:
+        command = group_command(replica, root, lighthouse, nproc)
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**environ, **env})
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL a group's launcher and every process below it (torchrun starts its ranks in sessions of their own)."""
+    pids, index = [process.pid], 0
+    while index < len(pids):  # the process tree, from /proc (Linux)
+        for task in Path(f"/proc/{pids[index]}/task").glob("*/children"):
+            pids += [int(pid) for pid in task.read_text().split()]
+        index += 1
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
 
 
 def run_step(root: Path) -> int:
@@ -113,8 +123,7 @@ def main() -> int:
         wait_for(lambda: run_step(root) >= 60, "the job to train 60 steps", list(groups.values()))
 
         say("\n[3/5] SIGKILL group 1")
-        os.killpg(groups[1].pid, signal.SIGKILL)  # every process of the group, as a lost node would
-        groups[1].wait()
+        kill_group(groups[1])  # every process of the group, as a lost node would
         killed_at = run_step(root)
         wait_for(
             lambda: any(q["participants"] == 1 for q in ft_record(root, 0).get("quorum_changes", [])[1:]),
@@ -149,8 +158,7 @@ def main() -> int:
     finally:
         for process in groups.values():
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                kill_group(process)
         lighthouse.send_signal(signal.SIGTERM)
         lighthouse.wait(timeout=30)
 

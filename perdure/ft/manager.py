@@ -91,7 +91,7 @@ class ManagerSettings:
     timeout_s: float
     quorum_timeout_s: float
     heartbeat_interval_s: float
-    device: torch.device
+    backend: str  # "gloo" or "nccl": the process group across the groups
 
 
 def torchft_replica_id(replica_id: int) -> str:
@@ -122,7 +122,7 @@ def build_manager(
         host = os.environ.get("MASTER_ADDR") or socket.gethostname()
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         port = store.port
-    group = ProcessGroupNCCL(timeout=timeout) if settings.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+    group = ProcessGroupNCCL(timeout=timeout) if settings.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
     try:
         manager = Manager(
             pg=group,

@@ -32,6 +32,7 @@ from perdure.checkpoints.commit import CHECKPOINT_PATTERN, read_pointer
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.source import RestoreSource
 from perdure.distributed.collectives import broadcast_object
+from perdure.distributed.process_group import select_backend
 from perdure.errors import PerdureError
 from perdure.ft.config import lighthouse_address
 from perdure.ft.manager import GradientAverager, HealRefusedError, ManagerSettings, QuorumError, build_manager
@@ -297,7 +298,9 @@ class FaultTolerant:
             timeout_s=float(ft.timeout),
             quorum_timeout_s=float(ft.quorum_timeout),
             heartbeat_interval_s=float(ft.heartbeat_interval),
-            device=self.device,
+            # dist.backend, as inside the group: auto is NCCL on CUDA; gloo also carries CUDA tensors (several groups
+            # on one GPU, which NCCL refuses)
+            backend=select_backend(self.config.dist.backend) if self.device.type == "cuda" else "gloo",
         )
         self.ft_manager, self._ft_store = build_manager(settings, self._ft_state_dict, self._ft_load_state_dict)
         progress = self.ft_progress
