@@ -15,6 +15,7 @@ from perdure.errors import (
     StackNotAvailableError,
     UnsafeFileError,
 )
+from perdure.ft.runner import FaultTolerant
 from perdure.runners.base import BaseRunner
 from perdure.runners.runner import Runner
 from perdure.runners.state import RunnerState
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointPolicy",
     "ConfigError",
+    "FaultTolerant",
     "FileCheckpointManager",
     "PerdureError",
     "ResumableLoader",

@@ -63,6 +63,8 @@ def _transport_class() -> type:
 
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
             address = f"{metadata}{step}/full"
+            if not address.startswith(("http://", "https://")):  # the peer names it: never a file:// or other URL
+                raise HealRefusedError(f"a peer offered its state at {address!r}, which is not an http(s) address")
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
                 try:
                     state = _streaming_load(response, weights_only=True)

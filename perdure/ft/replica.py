@@ -29,6 +29,7 @@ from perdure.checkpoints.file import FileCheckpointManager
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.errors import CheckpointCorruptError, CheckpointSaveError
 from perdure.resilience.run_lock import RunLock, RunLockedError
+from perdure.safe_io import is_symlink
 
 logger = logging.getLogger("perdure")
 
@@ -172,8 +173,8 @@ class ReplicaStates:
     def load(self, name: str, local_states: Mapping[str, Stateful]) -> bool:
         """Restore this rank's local state saved at position `name`; False when there is none that verifies."""
         path = self.root / name
-        if not path.is_dir():
-            return False
+        if any(is_symlink(link) for link in (self.root.parent, self.root, path)) or not path.is_dir():
+            return False  # a symlink is nothing this group wrote: never followed
         try:
             manifest = verify_checkpoint(path)
         except CheckpointCorruptError as error:

@@ -39,7 +39,8 @@ class TorchRunner(BaseRunner):
                 "ft.enabled",
                 True,
                 f"{type(self).__name__} subclasses TorchRunner directly, which trains no replica group: subclass "
-                "perdure.Runner (it adds the TorchFT layer when ft.enabled), or set --ft.enabled false",
+                "perdure.Runner (it adds the TorchFT layer when ft.enabled), or list perdure.FaultTolerant before "
+                "TorchRunner among your class's bases, or set --ft.enabled false",
             )
         super().__init__(config)
         self.device = self.select_device()

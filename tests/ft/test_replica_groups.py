@@ -31,12 +31,16 @@ def healed_from_peer(root, replica, after_step=-1):
     return [h for h in ft_record(root, replica).get("heals", []) if h["source"] == "peer" and h["to_step"] > after_step]
 
 
-def test_a_group_dies_twice_the_other_keeps_committing_and_the_restarts_heal(tmp_path, lighthouse):
-    root = tmp_path / "runs"
+def held_back(tmp_path):
+    """(workspace root, the hold file, the environment that slows a group down while the hold file exists)."""
     hold = tmp_path / "hold"
     hold.touch()
+    return tmp_path / "runs", hold, {"SLOW_WHILE": str(hold), "STEP_SLEEP": "0.05"}
+
+
+def test_a_group_dies_twice_the_other_keeps_committing_and_the_restarts_heal(tmp_path, lighthouse):
+    root, hold, slow = held_back(tmp_path)
     final = str(tmp_path / "final{replica}.pt")
-    slow = {"SLOW_WHILE": str(hold), "STEP_SLEEP": "0.05"}
     group0 = launch(root, lighthouse, 0, *ARGS, FINAL_STATE=final, **slow)
     # Group 1 dies at its step 10 (SIGKILL in its forward pass).
     first = launch(root, lighthouse, 1, *ARGS, name="a", KILL_AT_STEP="10", **slow)
@@ -84,11 +88,8 @@ def test_a_group_dies_twice_the_other_keeps_committing_and_the_restarts_heal(tmp
 
 def test_ddp_inside_each_group(tmp_path, lighthouse):
     """2 groups x 2 ranks: group 1 (both ranks) dies, group 0 keeps committing, the restart heals, all four agree."""
-    root = tmp_path / "runs"
-    hold = tmp_path / "hold"
-    hold.touch()
+    root, hold, slow = held_back(tmp_path)
     final = str(tmp_path / "final{replica}-{rank}.pt")
-    slow = {"SLOW_WHILE": str(hold), "STEP_SLEEP": "0.05"}
     args = (*ARGS[2:], "--steps", "200", "--ckpt.backend", "file")
     group0 = launch(root, lighthouse, 0, *args, ranks=2, FINAL_STATE=final, **slow)
     first = launch(root, lighthouse, 1, *args, ranks=2, name="a", KILL_AT_STEP="8", **slow)
