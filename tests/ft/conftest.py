@@ -10,8 +10,6 @@ import pytest
 
 from tests.runs import environment
 
-pytest.importorskip("torchft", reason="the ft extra is not installed (pip install 'perdure[ft]')")
-
 # A group silent for 1 s is left out of the next quorum; a forming quorum waits 0.3 s for groups not yet joined.
 LIGHTHOUSE_ARGS = ("--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "300")
 

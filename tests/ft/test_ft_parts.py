@@ -21,6 +21,7 @@ from perdure.resilience.run_lock import RunLock, RunLockedError
 from perdure.workspace.identity import config_id
 from tests.scripts.resumable import Config, ResumableRunner, make_config
 
+pytest.importorskip("torchft", reason="the ft extra is not installed (pip install 'perdure[ft]')")
 LIGHTHOUSE = "http://127.0.0.1:29510"
 
 

@@ -13,6 +13,7 @@ import pytest
 from tests.ft.conftest import LIGHTHOUSE_ARGS, start_lighthouse, stop_lighthouse
 from tests.ft.groups import assert_same_state, final_state, ft_record, launch, sidecar
 
+pytest.importorskip("torchft", reason="the ft extra is not installed (pip install 'perdure[ft]')")
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 40

@@ -17,6 +17,7 @@ from perdure.checkpoints.commit import read_pointer
 from tests.ft.groups import assert_same_state, final_state, ft_record, launch, sidecar, wait_until
 from tests.runs import free_port, run, run_dir
 
+pytest.importorskip("torchft", reason="the ft extra is not installed (pip install 'perdure[ft]')")
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 400
