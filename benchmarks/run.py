@@ -1,7 +1,7 @@
 """Run the benchmarks (`make bench`): each in its own process, then one summary table.
 
     python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [deepspeed_step]
-                             [gpu] [--strict]
+                             [gpu] [ft_recovery] [--strict]
 
 Each benchmark prints its own table and writes `bench-results/<name>.json`; `gpu` says it skipped where there is no
 CUDA device. A missed target is reported, not
@@ -24,7 +24,16 @@ from typing import Any
 from _common import DEFAULT_THREADS, RESULTS_DIR, format_table
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save", "ddp_step", "deepspeed_step", "gpu")
+BENCHMARKS = (
+    "step_overhead",
+    "save_throughput",
+    "async_stall",
+    "dcp_save",
+    "ddp_step",
+    "deepspeed_step",
+    "gpu",
+    "ft_recovery",
+)
 
 
 def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
@@ -87,6 +96,16 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
                   f"{r['step_time_over_none']:.3f}", "", ""]
                  for mode, r in results.get("stall", {}).items() if mode != "none"]  # fmt: skip
         return rows
+    if name == "ft_recovery":
+        median, faulty = results["median"], results["faulty"]
+        return [
+            [name, "group 0 s per step (2 groups)", f"{median['group0_step_s']:.3f}", "", ""],
+            [name, "death -> first commit without it, s", f"{median['death_to_commit_s']:.2f}", "", ""],
+            [name, "restart -> healed first commit, s (heal alone)",
+             f"{median['restart_to_first_commit_s']:.2f} ({median['heal_transfer_s']:.3f})", "", ""],
+            [name, f"committed steps, {faulty['kills']} kills / none",
+             f"{results['committed_steps_faulty_over_baseline']:.3f}", "", ""],
+        ]  # fmt: skip
     if name == "async_stall":
         return [
             [name, f"{mode}: stall per save s / total s / peak RSS GiB", f"{r['stall_per_save_s']:.3f} / "

@@ -15,6 +15,7 @@ from perdure.errors import (
     StackNotAvailableError,
     UnsafeFileError,
 )
+from perdure.ft.runner import FaultTolerant
 from perdure.runners.base import BaseRunner
 from perdure.runners.deepspeed_runner import DeepSpeedRunner
 from perdure.runners.runner import Runner
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointPolicy",
     "ConfigError",
     "DeepSpeedRunner",
+    "FaultTolerant",
     "FileCheckpointManager",
     "PerdureError",
     "ResumableLoader",

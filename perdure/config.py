@@ -22,6 +22,8 @@ from typing_extensions import Self
 from perdure import config_text
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
+from perdure.ft.config import DEFAULTS as FT_DEFAULTS
+from perdure.ft.config import check_ft
 from perdure.safe_io import MAX_YAML_BYTES, UnsafeFileError, escape_terminal, load_yaml, loads_json, read_regular
 
 STACKS = ("torch", "parallel", "deepspeed", "ds")  # ds: an alias of deepspeed
@@ -153,6 +155,8 @@ class RunnerConfig(chanfig.Config):
         self.deepspeed.offload_optimizer = False  # ZeRO-Offload of optimizer states to the CPU
         self.deepspeed.offload_param = False  # ZeRO-3 parameter offload to the CPU
         self.deepspeed.config = None  # raw DeepSpeed settings: a dict, or a JSON / YAML file
+        for key, value in FT_DEFAULTS.items():  # TorchFT replica groups: see perdure/ft/config.py
+            self.ft[key] = value
 
     # ------------------------------------------------------------------ views
 
@@ -353,6 +357,7 @@ class RunnerConfig(chanfig.Config):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
         self._check_loaders(c.get("dataloader", {}))
         self._check_stack_keys(get("stack"), get("ckpt.backend"))
+        check_ft(get)
         self.check_user_keys()
         return self
 

@@ -1,13 +1,15 @@
 """The examples run as a user runs them: `examples/mlp.py` trains, resumes and extends; `examples/demo.py` shows a
-SIGKILLed run resuming to bit-identical weights."""
+SIGKILLed run resuming to bit-identical weights; `examples/ft_local.py` kills a TorchFT replica group and heals it."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.runs import skip_unless_ranks_fit
@@ -62,3 +64,14 @@ def test_demo_under_torchrun_with_two_ranks(tmp_path):
     assert "torchrun --standalone --nproc_per_node=2" in result.stdout
     assert "resuming from" in result.stdout and "nothing to train" not in result.stdout
     assert "verdict: IDENTICAL" in result.stdout, result.stdout
+
+
+def test_ft_local_kills_a_replica_group_and_heals_it(tmp_path):
+    pytest.importorskip("torchft", reason="the ft extra is not installed")
+    result = run("ft_local.py", "--root", str(tmp_path / "ft"), timeout=400)
+    assert "lighthouse listening on http://127.0.0.1:" in result.stdout
+    assert "group 0 trains alone from step" in result.stdout
+    healed = re.search(r"healed: step (\d+) -> (\d+) in", result.stdout)
+    assert healed and int(healed[1]) < int(healed[2]), result.stdout
+    assert "exit codes: {0: 0, 1: 0}" in result.stdout
+    assert "replica groups (TorchFT)" in result.stdout and "completed" in result.stdout

@@ -1,5 +1,5 @@
 """The `perdure` command: `perdure runs ...` (the run registry), `perdure ckpt ...` (checkpoints), `perdure sweep ...`
-(job matrices, locally or on SLURM) and `perdure web` (the run viewer)."""
+(job matrices, locally or on SLURM), `perdure web` (the run viewer) and `perdure ft lighthouse` (TorchFT)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "ckpt": "perdure.cli.ckpt",
     "sweep": "perdure.cli.sweep",
     "web": "perdure.cli.web",
+    "ft": "perdure.cli.ft",
 }
 
 

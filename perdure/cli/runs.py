@@ -129,6 +129,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     if data["attempts"]:
         echo("\nattempts")
         echo(_attempts_table(data["attempts"]))
+        if replicas := _replica_rows(data.get("ft")):
+            echo("\nreplica groups (TorchFT)")
+            headers = ["REPLICA", "ATTEMPT", "COMMITTED", "UNCOMMITTED", "QUORUM CHANGES", "LAST QUORUM", "HEALS"]
+            echo(table(headers, replicas, right=(0, 2, 3, 4)))
         failures = [(i, f) for i, a in enumerate(data["attempts"], start=1) for f in a.get("save_failures") or []]
         if failures:
             echo("\nfailed saves")
@@ -200,14 +204,43 @@ def table(
     return "\n".join(out)
 
 
+def _replica_rows(ft: Any) -> list[list[str]]:
+    """One row per replica group of a TorchFT run's sidecar (`ft.replicas`), read as data from someone else."""
+    replicas = ft.get("replicas") if isinstance(ft, dict) else None
+    if not isinstance(replicas, dict):
+        return []
+    rows = []
+    for key, record in sorted(replicas.items(), key=lambda item: str(item[0]).zfill(8)):
+        if not isinstance(record, dict):
+            continue
+        changes = [c for c in record.get("quorum_changes") or [] if isinstance(c, dict)]
+        heals = [h for h in record.get("heals") or [] if isinstance(h, dict)]
+        last = changes[-1] if changes else {}
+        quorum = f"{_num(last.get('participants'))} group(s) at step {_num(last.get('step'))}" if last else _EMPTY
+        healed = _EMPTY
+        if heals:
+            h = heals[-1]
+            steps = f"{_num(h.get('from_step'))}->{_num(h.get('to_step'))}"
+            healed = f"{len(heals)}; last {steps} in {_num(h.get('seconds'))}s"
+        rows.append(
+            [str(key), _when(record.get("attempt")), _num(record.get("steps_committed")),
+             _num(record.get("steps_uncommitted")), str(len(changes)), quorum, healed]
+        )  # fmt: skip
+    return rows
+
+
 def _attempts_table(attempts: Sequence[dict[str, Any]]) -> str:
     headers = ["#", "STARTED", "ENDED", "STATUS", "FROM STEP", "DONE", "LOST", "SAVE S", "RESTARTS", "EXIT"]
+    replicas = any("replica" in attempt for attempt in attempts)
+    if replicas:  # a TorchFT run: which replica group each attempt was
+        headers.insert(1, "REPLICA")
     rows = []
     for index, attempt in enumerate(attempts, start=1):
         restarts = ",".join(f"{k}={v}" for k, v in (attempt.get("restart_counts") or {}).items() if v is not None)
         rows.append(
             [
                 str(index),
+                *([_num(attempt.get("replica"))] if replicas else []),
                 _when(attempt.get("started")),
                 _when(attempt.get("ended")),
                 str(attempt.get("status") or _EMPTY),
@@ -219,7 +252,8 @@ def _attempts_table(attempts: Sequence[dict[str, Any]]) -> str:
                 str(attempt.get("exit_reason") or _EMPTY),
             ]
         )
-    return table(headers, rows, right=(0, 4, 5, 6, 7))
+    shift = 1 if replicas else 0
+    return table(headers, rows, right=(0, 4 + shift, 5 + shift, 6 + shift, 7 + shift))
 
 
 def _default_metrics(records: Sequence[RunRecord]) -> list[str]:

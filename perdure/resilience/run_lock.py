@@ -15,6 +15,12 @@ every child forked through Python (closing, never unlocking: `LOCK_UN` in the ch
 lock). A child forked outside Python's `os.fork` (C code calling fork() directly) keeps the descriptor until it exits;
 such children die with their parent in practice (DataLoader workers watch their parent).
 
+Shared holders. `RunLock(run_dir, shared=True)` takes `run.lock` in shared mode: shared holders coexist, and every
+one of them excludes an exclusive holder (and the other way round). TorchFT replica groups of one run each hold it
+shared (beside an exclusive lock of their own replica id, see `perdure/ft/replica.py`), so that a plain launch of the
+same run, `perdure ckpt prune` or any other exclusive holder is refused while a group lives. A shared lock writes no
+holder info into the file (several processes hold it at once).
+
 Filesystems. flock is exact on local filesystems. On NFS (Linux >= 2.6.12) flock is emulated with byte-range locks,
 which do conflict across hosts but not between two descriptors of one process; the in-process registry below makes a
 second `RunLock` of the same file in the same process fail on every filesystem. Lustre needs the `flock` mount option;
@@ -163,9 +169,10 @@ class RunLock:
     second `RunLock` of the same directory in this process, raises `RunLockedError` like any other holder would.
     """
 
-    def __init__(self, run_dir: Path, name: str = LOCK_NAME) -> None:
+    def __init__(self, run_dir: Path, name: str = LOCK_NAME, *, shared: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / name
+        self.shared = shared
         self._fd: int | None = None
         self._key: tuple[int, int] | None = None
         self._info: dict[str, Any] = {}  # what this object wrote while it holds the lock
@@ -227,12 +234,15 @@ class RunLock:
         self.release()
 
     def __repr__(self) -> str:
-        return f"RunLock({str(self.run_dir)!r}, held={self.held})"
+        shared = ", shared=True" if self.shared else ""
+        return f"RunLock({str(self.run_dir)!r}, {self.path.name!r}{shared}, held={self.held})"
 
     def announce(self) -> None:
         """Write who holds the lock (pid, host, start time, argv) into the lock file, if not done yet."""
         if self._fd is None:
             raise PerdureError(f"{self!r}: announce() needs the lock held")
+        if self.shared:
+            raise PerdureError(f"{self!r}: a shared lock writes no holder info (several processes hold it at once)")
         if not self._announced:
             _write_info(self._fd, self._info)
             self._announced = True
@@ -248,7 +258,7 @@ class RunLock:
             with _HELD_GUARD:
                 if (other := _HELD.get(key)) is not None:
                     raise RunLockedError(self.run_dir, other._info, [(os.getpid(), "this process")])
-                _flock_or_raise(fd, self.run_dir, self.path)
+                _flock_or_raise(fd, self.run_dir, self.path, self.shared)
                 self._info = _own_info()
                 _HELD[key] = self
             self._fd, self._key = fd, key
@@ -256,7 +266,7 @@ class RunLock:
             os.close(fd)
             raise
         self._announced = False
-        if not announce:
+        if not announce or self.shared:
             return
         try:
             self.announce()
@@ -321,9 +331,9 @@ def _own_info() -> dict[str, Any]:
     }
 
 
-def _flock_or_raise(fd: int, run_dir: Path, path: Path) -> None:
+def _flock_or_raise(fd: int, run_dir: Path, path: Path, shared: bool = False) -> None:
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         raise RunLockedError(run_dir, read_holder(path), lock_holders(path)) from None
     except OSError as exc:

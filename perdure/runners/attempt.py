@@ -4,6 +4,8 @@
                   locked quietly so a second launch of a live run fails at once; every rank gets the decision
     train()       begins the attempt (`_begin_attempt`): lock announced, bad checkpoints repaired, directories, log
                   file, metadata and the sidecar's attempt; the attempt's stamp is shared by every rank
+                  (`_new_run_lock` and `_repair_checkpoints` are what a TorchFT replica group changes: a lock per
+                  replica id beside a shared `run.lock`, and a repair only while no other group lives)
     close()       releases the lock and the log file
     a failed setup  (`_setup_failed`) is recorded as an attempt that failed, so it shows in `perdure runs ls`
 
@@ -53,7 +55,7 @@ class AttemptMixin:
             if not self.inspection and (run_dir.path / LOCK_NAME).is_file():
                 # An existing run is locked at once, so a second launch of a live run fails before building anything;
                 # quietly (no holder info written): a runner built only to look at the run changes no byte of it.
-                self.run_lock = RunLock(run_dir.path)
+                self.run_lock = self._new_run_lock()
                 self.run_lock.acquire(announce=False)
             self.checkpoints = self._checkpoint_manager()
             source = choose_restore_source(
@@ -142,16 +144,27 @@ class AttemptMixin:
         """Rank 0: lock, repair, create; returns ("ok", attempt stamp) or ("error", exception), to be broadcast."""
         try:
             if self.run_lock is None:
-                self.run_lock = RunLock(self.run_dir.path)
+                self.run_lock = self._new_run_lock()
                 self.run_lock.acquire()
             self.run_lock.announce()
-            self.checkpoints.repair()
+            self._repair_checkpoints()
             self.run_dir.create()
             record_launch(self.run_dir)
             return "ok", datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         except Exception as error:
             self._release_lock()
             return "error", error
+
+    def _new_run_lock(self) -> RunLock:
+        """Rank 0, deciding or opening the run: the lock this process holds while it may write the run (not yet
+        acquired). Default: the run's exclusive `run.lock`. A TorchFT replica group returns its per-replica lock
+        (`perdure.ft.replica.ReplicaRunLock`). Must not touch the disk."""
+        return RunLock(self.run_dir.path)
+
+    def _repair_checkpoints(self) -> None:
+        """Rank 0, holding the run lock, when the attempt begins: quarantine what `resolve` found bad, fix pointers.
+        A TorchFT replica group repairs the shared checkpoints only while no other group lives."""
+        self.checkpoints.repair()
 
     def _attempt_details(self) -> dict[str, Any]:
         """What the attempt's record says about this process beyond its progress: the code it runs, its topology."""

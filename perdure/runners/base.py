@@ -4,7 +4,8 @@
       └─ __post_init__      optimizer / scheduler defaults, EMA, model placement, dataloaders, restore, wrapping
     runner.train()          begin the attempt (lock, repair, directories, log file, records), then train_steps() or
                             train_epochs(): both drive the one loop in `_fit`
-      └─ per window         train_step(batch) per micro-batch -> backward -> optimizer step -> EMA
+      └─ per window         begin_step -> train_step(batch) per micro-batch -> backward -> commit_step ->
+                            optimizer step -> EMA
       └─ per step / epoch   log, evaluate, score, checkpoint
       └─ at the end         final checkpoint, model export
 
@@ -163,8 +164,9 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.model before it returns")
         # The model was initialised from `seed` on every rank alike; from here on each rank draws its own stream
         # (dropout masks differ across ranks; rank 0 keeps the stream of a single-process run).
-        if self.rank > 0:
-            seed_everything(derived_seed(self.config.seed, self.rank))
+        stream = self.data_parallel_rank()[0]
+        if stream > 0:
+            seed_everything(derived_seed(self.config.seed, stream))
         self.place_model()
         if self.optimizer is None:
             self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
@@ -224,6 +226,33 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
     def extra_states(self) -> dict[str, Stateful]:
         """Replicated objects a stack adds to checkpoints after the optimizer and scheduler (e.g. a GradScaler)."""
         return {}
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        """(rank, size) of this process among all the processes that read different training batches: the train
+        sampler's shard, and the random stream the process draws from (rank 0 keeps a single process's stream).
+
+        Default: (rank, world_size). TorchFT replica groups span groups x group-local ranks. Must not change state.
+        """
+        return self.rank, self.world_size
+
+    def begin_step(self) -> bool:
+        """Called at the start of every accumulation window, before its first forward (gradients are zero).
+
+        Return False to train no window now: the loop then reads its data again from the current position (e.g. a
+        TorchFT replica group that just healed from a peer, whose position moved). May change the training state
+        only as a whole restore does (all of it, consistently). Default: True.
+        """
+        return True
+
+    def commit_step(self) -> bool:
+        """Called once per window after the last backward, before the data position advances and the optimizer
+        steps: whether this step counts. False drops the window's gradients: no optimizer step, `global_step` and
+        the data position stay, and the loop reads the same samples again (nothing consumed twice, nothing skipped).
+
+        A TorchFT replica group averages the gradients across the groups here and returns the groups' vote
+        (`should_commit`). Must leave the gradients as the optimizer step should see them. Default: True.
+        """
+        return True
 
     # ---- user override points ----------------------------------------------------------------------------------
 
@@ -360,7 +389,8 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
                 consumed = 0
                 for window in self._accumulation_windows(loader):
                     consumed += len(window)
-                    self._train_window(window, loader)
+                    if not self._train_window(window, loader):
+                        break  # the step did not count: read again from the data position
                     if done() or self.stop_requested():
                         break
                 else:
@@ -386,7 +416,10 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         if window:
             yield window
 
-    def _train_window(self, window: list[Any], loader: ResumableLoader) -> None:
+    def _train_window(self, window: list[Any], loader: ResumableLoader) -> bool:
+        """One optimizer step over `window`; False when it did not count (`begin_step` / `commit_step`)."""
+        if not self.begin_step():
+            return False
         # Gradients are zero here: `optimizer_step` leaves them so, and `_fit` zeroes them before the first window.
         losses = []
         for index, batch in enumerate(window):
@@ -396,8 +429,11 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
                 loss = output["loss"] if isinstance(output, Mapping) else output
                 self.backward(loss if len(window) == 1 else loss / len(window))
             losses.append(loss.detach())
-        self.state.samples_in_epoch += sum(loader.global_samples(batch) for batch in window)
         self.checkpoints.wait_for_snapshots()  # an async save may still be copying what the step will change
+        if not self.commit_step():
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
+        self.state.samples_in_epoch += sum(loader.global_samples(batch) for batch in window)
         stepped = self.optimizer_step()
         if not stepped:
             self.state.skipped_steps += 1
@@ -406,7 +442,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
                 self.state.global_step,
                 self.state.skipped_steps,
             )
-            return
+            return True
         if self.scheduler is not None:
             self.scheduler.step()
         if self.ema is not None:
@@ -415,6 +451,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         self._losses.append(losses[0] if len(losses) == 1 else torch.stack(losses).mean())
         self.telemetry.step(self.state.global_step)
         self._end_step(epoch_ending=self.state.samples_in_epoch >= (loader.samples_per_epoch() or math.inf))
+        return True
 
     def _end_step(self, epoch_ending: bool) -> None:
         step, cadence = self.state.global_step, self.cadence
@@ -531,6 +568,8 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
             if split in self.dataloaders:
                 continue
             options = self.config.loader_options(split)
+            # Training batches are sharded over every data-parallel process; evaluation over this process group.
+            rank, world_size = self.data_parallel_rank() if split == "train" else (self.rank, self.world_size)
             self.dataloaders[split] = ResumableLoader(
                 dataset,
                 batch_size=options["batch_size"],
@@ -539,8 +578,8 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
                 drop_last=bool(options["drop_last"]) and split == "train",
                 pin_memory=bool(options["pin_memory"]),
                 seed=self.config.seed,
-                rank=self.rank,
-                world_size=self.world_size,
+                rank=rank,
+                world_size=world_size,
                 pad=split == "train",  # evaluation shares are uneven rather than padded with repeats
             )
 
@@ -549,5 +588,6 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         if self.config.training_mode() == "steps":
             return self.config.steps
         dataset = self.datasets.get("train")
-        batches = math.ceil(len(dataset) / (self.config.loader_options("train")["batch_size"] * self.world_size))
+        readers = self.data_parallel_rank()[1]
+        batches = math.ceil(len(dataset) / (self.config.loader_options("train")["batch_size"] * readers))
         return self.config.epochs * math.ceil(batches / self.config.accum_steps)

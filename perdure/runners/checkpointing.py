@@ -219,6 +219,8 @@ class CheckpointingMixin:
         config.checkpoint = str(info.path)
         config.pretrained = None
         config.resume = "auto"
+        if config.lookup("ft.enabled", False):  # a runner rebuilt to look at a run is no TorchFT replica group
+            config.ft.enabled = False
         checkpoints = info.path.parent
         if checkpoints.name == "checkpoints":
             # Rebuild in the workspace and run dir the checkpoint lives in, whatever the code and cwd are now.

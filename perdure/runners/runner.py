@@ -30,7 +30,8 @@ def stack_class(stack: str) -> type[BaseRunner]:
 class _RunnerDispatch(RunnerMeta):
     """`Runner(config)` or `MyRunner(config)` builds an instance of the user's class mixed with the chosen stack.
 
-    The combined class is made once per (user class, stack) and cached, so `type(runner)` is stable.
+    The combined class is made once per (user class, stack) and cached, so `type(runner)` is stable. With
+    `ft.enabled` the replica-group layer (`perdure.ft.runner.FaultTolerant`) sits between them.
     """
 
     _combined: dict[tuple[type, type], type] = {}
@@ -38,11 +39,16 @@ class _RunnerDispatch(RunnerMeta):
     def __call__(cls, config: Any, *args: Any, **kwargs: Any) -> Any:
         config.check()
         stack = stack_class(config.get("stack", "torch"))
-        if issubclass(cls, stack):
+        layers: tuple[type, ...] = ()
+        if config.lookup("ft.enabled", False):  # TorchFT: the replica-group layer goes in front of the stack
+            from perdure.ft.runner import FaultTolerant
+
+            layers = () if issubclass(cls, FaultTolerant) else (FaultTolerant,)
+        if issubclass(cls, stack) and not layers:
             return super().__call__(config, *args, **kwargs)
-        key = (cls, stack)
+        key = (cls, *layers, stack)
         if key not in cls._combined:
-            cls._combined[key] = _RunnerDispatch(cls.__name__, (cls, stack), {"__module__": cls.__module__})
+            cls._combined[key] = _RunnerDispatch(cls.__name__, key, {"__module__": cls.__module__})
         return cls._combined[key](config, *args, **kwargs)
 
 

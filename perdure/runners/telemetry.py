@@ -72,8 +72,7 @@ class RunTelemetry:
 
     def _record_attempt(self, attempt: str, resumed_from: str | None, details: Mapping[str, Any]) -> None:
         write_metadata(self.run_dir.path, self.config, attempt)
-        self.sidecar = Sidecar(
-            self.run_dir.path,
+        self.sidecar = self._new_sidecar(
             run_id=self.run_dir.run_id,
             lineage=self.run_dir.lineage,
             code_id=self.run_dir.code_id,
@@ -101,6 +100,10 @@ class RunTelemetry:
         )
         if entry.get("steps_lost"):
             logger.info("the interruption cost %d steps (trained, not checkpointed)", entry["steps_lost"])
+
+    def _new_sidecar(self, **identity: Any) -> Sidecar:
+        """The run's sidecar, loading the existing one (a TorchFT replica group's shares it with the other groups)."""
+        return Sidecar(self.run_dir.path, **identity)
 
     def begin_training(self, total: int | None) -> None:
         """The loop starts: show a progress bar on a terminal (rate and ETA measured from here)."""

@@ -13,10 +13,17 @@ from perdure.checkpoints.base import Stateful
 from perdure.distributed.collectives import all_ranks
 from perdure.distributed.ddp import FixedLayoutDDP
 from perdure.distributed.process_group import init_process_group, local_device
+from perdure.errors import ConfigError
 from perdure.runners.base import BaseRunner
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
+
+
+def _has_ft_layer(runner: Any) -> bool:
+    from perdure.ft.runner import FaultTolerant
+
+    return isinstance(runner, FaultTolerant)
 
 
 class TorchRunner(BaseRunner):
@@ -27,6 +34,14 @@ class TorchRunner(BaseRunner):
     """
 
     def __init__(self, config: Any) -> None:
+        if config.lookup("ft.enabled", False) and not _has_ft_layer(self):
+            raise ConfigError(
+                "ft.enabled",
+                True,
+                f"{type(self).__name__} subclasses TorchRunner directly, which trains no replica group: subclass "
+                "perdure.Runner (it adds the TorchFT layer when ft.enabled), or list perdure.FaultTolerant before "
+                "TorchRunner among your class's bases, or set --ft.enabled false",
+            )
         super().__init__(config)
         self.device = self.select_device()
         if self.device.type == "cuda":

@@ -20,6 +20,10 @@ from perdure.config import flatten, plain_dict
 # They are left out of `config_id`: logging, where the run lives, where it restores from, how checkpoints are
 # written, the step / epoch budget (so a run can be extended by resuming it with a larger budget), loader
 # performance knobs, and `deterministic` (which kernels compute the same maths: a run may turn it on to continue).
+# `ft` (TorchFT replica groups): every group of a job shares one run directory, so `ft.replica_id` cannot be identity;
+# the lighthouse, timeouts and `min_replica_size` decide when steps commit, not what a step computes; `ft.enabled` and
+# `ft.group_size` are topology, like the world size (a run continues on another number of groups as it does on another
+# number of ranks, with a topology note).
 NON_IDENTITY_KEYS = (
     "workspace",
     "log",
@@ -38,6 +42,7 @@ NON_IDENTITY_KEYS = (
     "dataloader.*.num_workers",
     "dataloader.*.pin_memory",
     "deterministic",
+    "ft",
 )
 
 DEEPSPEED_STACKS = ("deepspeed", "ds")

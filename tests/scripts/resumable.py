@@ -2,8 +2,11 @@
 
 Environment knobs (tests only):
   LOSS_LOG      append one JSON line per micro-batch: position and the loss as an exact float hex ("{rank}" in the
-                path is replaced by the rank, for multi-rank runs); with SAMPLE_LOG also the sample indices
+                path is replaced by the rank, "{replica}" by ft.replica_id); with SAMPLE_LOG also the sample indices
+  FINAL_STATE   after training, torch.save this process's model and optimizer state there ("{rank}" / "{replica}"
+                replaced as in LOSS_LOG): replica groups compare their parameters and optimizer states
   STEP_SLEEP    seconds to sleep per micro-batch, so an outside SIGKILL lands mid-run
+  SLOW_WHILE    a path: STEP_SLEEP applies only while it exists (a test holds a run back while it stages faults)
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (a deterministic hard death)
   FAULT         POINT:N — inject a fault at the N-th pass through a point of the checkpoint code
                 (POINT:N+ — at every pass from the N-th on):
@@ -13,6 +16,8 @@ Environment knobs (tests only):
                   enospc   the write fails with ENOSPC (a full disk) after writing part of the file
                   dcp      SIGKILL half-way through writing a DCP shard file (`*.distcp`; sync and thread modes)
                   dcp_enospc  writing a DCP shard file fails with ENOSPC after part of it is written
+                  allreduce  SIGKILL right after launching a cross-group gradient all-reduce (TorchFT), so the peers
+                             are inside that all-reduce when this group dies
   FAULT_RANK    install FAULT on this rank only (default: on every rank)
   SETUP_FAIL    "model": the runner's __init__ raises while building the model (a failed setup)
   UNSAVEABLE    checkpoints carry a user object that torch.save cannot serialize
@@ -103,8 +108,9 @@ class ResumableRunner(Runner):
         self.criterion = nn.CrossEntropyLoss()
         self.datasets["train"] = Synthetic(config.dataset_size, seed=1)
         self.datasets["val"] = Synthetic(40, seed=2)
-        self.loss_log = os.environ.get("LOSS_LOG", "").replace("{rank}", str(self.rank)) or None
+        self.loss_log = _per_process(os.environ.get("LOSS_LOG", ""), self.rank, config) or None
         self.step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
+        self.slow_while = os.environ.get("SLOW_WHILE")
         self.kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
         self.nan_at = int(os.environ.get("NAN_AT_STEP", "-1"))
         self.nan_here = os.environ.get("NAN_RANK", str(self.rank)) == str(self.rank)
@@ -134,9 +140,20 @@ class ResumableRunner(Runner):
                 if isinstance(batch, dict):
                     record["samples"] = batch["index"].tolist()
                 log.write(json.dumps(record) + "\n")
-        if self.step_sleep:
+        if self.step_sleep and (self.slow_while is None or os.path.exists(self.slow_while)):
             time.sleep(self.step_sleep)
         return loss
+
+
+def _per_process(path: str, rank: int, config) -> str:
+    return path.replace("{rank}", str(rank)).replace("{replica}", str(config.ft.replica_id))
+
+
+def save_final_state(runner) -> None:
+    path = _per_process(os.environ.get("FINAL_STATE", ""), runner.rank, runner.config)
+    if path:
+        model = {key: value.clone() for key, value in runner.unwrap_model().state_dict().items()}
+        torch.save({"model": model, "optimizer": runner.optimizer.state_dict(), "step": runner.global_step}, path)
 
 
 def install_fault(spec: str) -> None:
@@ -154,7 +171,25 @@ def install_fault(spec: str) -> None:
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if point == "pointer":
+    if point == "allreduce":
+        from perdure.ft import manager as ft_manager
+
+        average = ft_manager.GradientAverager.average
+
+        def killing_average(self, manager):
+            if not due():
+                return average(self, manager)
+            allreduce = manager.allreduce
+
+            def launch_and_die(tensor):
+                allreduce(tensor)  # the peers now wait inside this all-reduce
+                die()
+
+            manager.allreduce = launch_and_die
+            return average(self, manager)
+
+        ft_manager.GradientAverager.average = killing_average
+    elif point == "pointer":
         write_pointer = manager_module.write_pointer
 
         def killing_write_pointer(root, pointer, target):
@@ -226,3 +261,4 @@ if __name__ == "__main__":
     runner.train()
     if os.environ.get("GATHERED_WEIGHTS"):
         save_gathered(runner, os.environ["GATHERED_WEIGHTS"])
+    save_final_state(runner)

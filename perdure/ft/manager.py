@@ -1,0 +1,197 @@
+"""Building the torchft Manager of one process, and averaging gradients across the replica groups through it.
+
+Every process of a group has a Manager; the group's rank 0 also runs the ManagerServer that talks to the lighthouse.
+Each step: `start_quorum()` (synchronous here: a group that joins behind heals from a live peer *before* its forward
+pass, so it takes part in the step), the gradients are averaged across the participating groups with
+`manager.allreduce` (not torchft's DistributedDataParallel, whose comm hook crashes the survivor when a peer dies
+inside the all-reduce), then `should_commit()` is the groups' vote that gates the optimizer step.
+
+A healing group receives the peer's state over HTTP. torchft's own transport unpickles it with
+`weights_only=False`; `RestrictedHTTPTransport` reads it with torch's allow-list (tensors and plain data), as every
+file perdure reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import urllib.request
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from perdure.errors import PerdureError
+
+# torch warns once that tensors loaded from a byte stream view read-only memory; the transport copies them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module="torch.distributed._serialization")
+
+
+class _DropWarning(logging.Filter):
+    """torchft warns at every quorum change that it cannot reset NCCL's flight recorder: meaningless on gloo."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
+
+
+logging.getLogger("torchft.manager").addFilter(_DropWarning())
+
+BUCKET_BYTES = 25 << 20  # gradients travel in buckets of at most this many bytes, in parameter order
+
+
+class HealRefusedError(PerdureError):
+    """The state a peer sent to heal this group holds something beyond tensors and plain data."""
+
+
+class QuorumError(PerdureError):
+    """The group could not join a quorum (the lighthouse is unreachable, or too few groups within the timeout)."""
+
+
+def _transport_class() -> type:
+    from torch.distributed._serialization import _streaming_load
+    from torch.utils._pytree import tree_map
+    from torchft.checkpointing import HTTPTransport
+
+    class RestrictedHTTPTransport(HTTPTransport):
+        """torchft's HTTP checkpoint transport whose receiving side only unpickles tensors and plain data."""
+
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+            address = f"{metadata}{step}/full"
+            if not address.startswith(("http://", "https://")):  # the peer names it: never a file:// or other URL
+                raise HealRefusedError(f"a peer offered its state at {address!r}, which is not an http(s) address")
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
+                try:
+                    state = _streaming_load(response, weights_only=True)
+                except pickle.UnpicklingError as error:  # torch's allow-list refused a global; the message names it
+                    raise HealRefusedError(
+                        f"the state the peer at {address} sent to heal this group holds more than tensors and plain "
+                        f"data, which perdure never unpickles ({str(error).splitlines()[0]}); every object in "
+                        "checkpoint_states() must have a state_dict of tensors and plain data"
+                    ) from None
+            # The tensors view the received bytes, which are read-only: own copies, so that the optimizer's state
+            # can be updated in place.
+            return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, state)
+
+    return RestrictedHTTPTransport
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """What one process needs to build its Manager (from the `ft.*` keys and the group's launch)."""
+
+    replica_id: int
+    group_rank: int
+    group_world_size: int
+    lighthouse: str
+    min_replica_size: int
+    timeout_s: float
+    quorum_timeout_s: float
+    heartbeat_interval_s: float
+    backend: str  # "gloo" or "nccl": the process group across the groups
+
+
+def torchft_replica_id(replica_id: int) -> str:
+    """The replica id the lighthouse sees. Zero-padded, so that torchft's ordering of a quorum (by replica id, as
+    text) is the numeric order: the lowest replica id is rank 0 of every quorum."""
+    return f"perdure_{replica_id:05d}"
+
+
+def build_manager(
+    settings: ManagerSettings,
+    state_dict: Callable[[], dict[str, Any]],
+    load_state_dict: Callable[[dict[str, Any]], None],
+) -> tuple[Any, Any]:
+    """(manager, store): a torchft Manager for this process, and the TCPStore it uses (kept alive by the caller).
+
+    A group of several ranks uses its own process group's store (MASTER_ADDR / MASTER_PORT, as torchrun sets them);
+    a group of one process starts a store of its own, advertised under MASTER_ADDR or the host name, which the other
+    groups reach when this group is the quorum's primary.
+    """
+    import torch.distributed as dist
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    timeout = timedelta(seconds=settings.timeout_s)
+    if settings.group_world_size > 1:
+        host, port, store = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
+    else:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        port = store.port
+    group = ProcessGroupNCCL(timeout=timeout) if settings.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+    try:
+        manager = Manager(
+            pg=group,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=settings.min_replica_size,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=settings.group_rank,
+            world_size=settings.group_world_size,
+            store_addr=host,
+            store_port=port,
+            lighthouse_addr=settings.lighthouse,
+            replica_id=torchft_replica_id(settings.replica_id),
+            heartbeat_interval=timedelta(seconds=settings.heartbeat_interval_s),
+            checkpoint_transport=_transport_class()(timeout=timeout, num_chunks=0),
+            init_sync=True,
+        )
+    except Exception as error:
+        raise QuorumError(
+            f"replica group {settings.replica_id} could not reach the lighthouse at {settings.lighthouse} "
+            f"({type(error).__name__}: {error}); is it running (`perdure ft lighthouse --bind HOST:PORT`), and is "
+            "ft.lighthouse / $TORCHFT_LIGHTHOUSE its address?"
+        ) from None
+    return manager, store
+
+
+class GradientAverager:
+    """Averages every trainable parameter's gradient across the participating groups, in buckets of a fixed layout
+    (parameter order, `BUCKET_BYTES`), so the reduction is the same at every step and after every restart.
+
+    A parameter without a gradient takes part with zeros (another group may have one), and gets the average.
+    """
+
+    def __init__(self, parameters: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.buckets: list[list[nn.Parameter]] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for parameter in parameters:
+            if not parameter.requires_grad:
+                continue
+            nbytes = parameter.numel() * parameter.element_size()
+            same_kind = not current or (current[0].dtype, current[0].device) == (parameter.dtype, parameter.device)
+            if current and (size + nbytes > bucket_bytes or not same_kind):
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(parameter)
+            size += nbytes
+        if current:
+            self.buckets.append(current)
+
+    def average(self, manager: Any) -> None:
+        """All-reduce (average) the gradients through `manager`. Errors are the manager's to report: a failed
+        all-reduce makes `should_commit()` return False, and the gradients are then dropped."""
+        flats, works = [], []
+        for bucket in self.buckets:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            flats.append(flat)
+            works.append(manager.allreduce(flat))
+        for work in works:
+            work.wait()
+        for bucket, flat in zip(self.buckets, flats):
+            for parameter, averaged in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                if parameter.grad is None:
+                    parameter.grad = averaged
+                else:
+                    parameter.grad.copy_(averaged)

@@ -1,0 +1,120 @@
+"""TorchFT replica groups on CPU / gloo: a group dies (also inside the gradient all-reduce), the other keeps committing,
+the restarted group heals from it and both end bit-identical; the same with DDP inside each group; a second launch of
+a live replica id is refused.
+
+Groups run tests/scripts/resumable.py. `SLOW_WHILE` holds group 0 back (a sleep per step) while the test stages the
+faults, so every restart meets a live group 0; the test then lets it run to the end at full speed.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from perdure.checkpoints.commit import read_pointer
+from tests.ft.groups import assert_same_state, final_state, ft_record, launch, sidecar, wait_until
+from tests.runs import free_port, run, run_dir
+
+pytest.importorskip("torchft", reason="the ft extra is not installed (pip install 'perdure[ft]')")
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 400
+ARGS = ("--steps", str(STEPS), "--ckpt.interval", "20", "--log.interval", "10", "--eval_interval", "100")
+
+
+def quorum_sizes(root, replica):
+    return [(change["step"], change["participants"]) for change in ft_record(root, replica).get("quorum_changes", [])]
+
+
+def healed_from_peer(root, replica, after_step=-1):
+    return [h for h in ft_record(root, replica).get("heals", []) if h["source"] == "peer" and h["to_step"] > after_step]
+
+
+def held_back(tmp_path):
+    """(workspace root, the hold file, the environment that slows a group down while the hold file exists)."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    return tmp_path / "runs", hold, {"SLOW_WHILE": str(hold), "STEP_SLEEP": "0.05"}
+
+
+def test_a_group_dies_twice_the_other_keeps_committing_and_the_restarts_heal(tmp_path, lighthouse):
+    root, hold, slow = held_back(tmp_path)
+    final = str(tmp_path / "final{replica}.pt")
+    group0 = launch(root, lighthouse, 0, *ARGS, FINAL_STATE=final, **slow)
+    # Group 1 dies at its step 10 (SIGKILL in its forward pass).
+    first = launch(root, lighthouse, 1, *ARGS, name="a", KILL_AT_STEP="10", **slow)
+    assert first.wait() == [-signal.SIGKILL], first.output()[-3000:]
+    wait_until(lambda: any(size == 1 and step >= 10 for step, size in quorum_sizes(root, 0)), "group 0 alone", [group0])
+    alone_from = max(step for step, size in quorum_sizes(root, 0) if size == 1)
+
+    # While group 0 trains: a second launch of replica 0 is refused, so is a plain launch of the same run.
+    twin = launch(root, lighthouse, 0, *ARGS, name="twin")
+    assert twin.wait() != [0]
+    assert re.search(r"replica group 0 of run .* is already training \(pid \d+", twin.output()), twin.output()
+    plain = run("resumable.py", root, *ARGS)
+    assert plain.returncode != 0 and "is in use by pid" in plain.stderr, plain.stderr
+
+    # Restarted, group 1 heals from group 0 (which committed steps alone meanwhile), then dies again, this time right
+    # inside the cross-group gradient all-reduce: group 0 survives it.
+    second = launch(root, lighthouse, 1, *ARGS, name="b", FAULT="allreduce:20", **slow)
+    assert second.wait() == [-signal.SIGKILL], second.output()[-3000:]
+    heal = healed_from_peer(root, 1)
+    assert heal and heal[0]["from_step"] < heal[0]["to_step"], ft_record(root, 1)
+    assert heal[0]["to_step"] > alone_from, "group 0 committed no step while group 1 was dead"
+    healed_at = heal[0]["to_step"]
+    wait_until(lambda: any(size == 1 and step > healed_at for step, size in quorum_sizes(root, 0)), "alone", [group0])
+    assert "Connection closed by peer" in group0.output() or "did not commit" in group0.output()
+
+    # The third launch heals again; then group 0 is let go, and both finish the budget.
+    third = launch(root, lighthouse, 1, *ARGS, name="c", FINAL_STATE=final, **slow)
+    wait_until(lambda: healed_from_peer(root, 1, healed_at), "the second heal", [group0, third])
+    hold.unlink()
+    group0.assert_ok()
+    third.assert_ok()
+
+    a, b = final_state(tmp_path / "final0.pt"), final_state(tmp_path / "final1.pt")
+    assert a["step"] == STEPS
+    assert_same_state(a, b)  # parameters and optimizer state (a heal serves the live state, not a stale one)
+    record = sidecar(root)
+    assert record["step"] == STEPS and record["status"] == "completed"
+    assert read_pointer(run_dir(root) / "checkpoints", "latest") == f"ckpt-s{STEPS:012d}"
+    replicas = sorted(attempt["replica"] for attempt in record["attempts"])
+    assert replicas == [0, 1, 1, 1]
+    # Every step of the budget was committed once: by group 0, but for the steps it healed past if group 1 was first.
+    skipped = sum(h["to_step"] - h["from_step"] for h in ft_record(root, 0)["heals"])
+    assert ft_record(root, 0)["steps_committed"] + skipped == STEPS
+
+
+def test_ddp_inside_each_group(tmp_path, lighthouse):
+    """2 groups x 2 ranks: group 1 (both ranks) dies, group 0 keeps committing, the restart heals, all four agree."""
+    root, hold, slow = held_back(tmp_path)
+    final = str(tmp_path / "final{replica}-{rank}.pt")
+    args = (*ARGS[2:], "--steps", "200", "--ckpt.backend", "file")
+    group0 = launch(root, lighthouse, 0, *args, ranks=2, FINAL_STATE=final, **slow)
+    first = launch(root, lighthouse, 1, *args, ranks=2, name="a", KILL_AT_STEP="8", **slow)
+    assert first.wait() == [-signal.SIGKILL] * 2, first.output()[-3000:]
+    wait_until(lambda: any(size == 1 and step >= 8 for step, size in quorum_sizes(root, 0)), "group 0 alone", [group0])
+    again = launch(root, lighthouse, 1, *args, ranks=2, name="b", FINAL_STATE=final, **slow)
+    wait_until(lambda: healed_from_peer(root, 1), "the heal", [group0, again])
+    hold.unlink()
+    group0.assert_ok()
+    again.assert_ok()
+    states = [final_state(tmp_path / f"final{replica}-{rank}.pt") for replica in (0, 1) for rank in (0, 1)]
+    assert states[0]["step"] == 200
+    for other in states[1:]:
+        assert_same_state(states[0], other)
+    heal = healed_from_peer(root, 1)[0]
+    assert heal["to_step"] > 8 and sidecar(root)["step"] == 200
+
+
+def test_bad_lighthouse_fails_at_the_first_step(tmp_path):
+    """A lighthouse nobody listens on: the group stops with a message naming it, no hang."""
+    address = f"http://127.0.0.1:{free_port()}"
+    ft = ("--ft.enabled", "true", "--ft.lighthouse", address, "--ft.timeout", "3")
+    result = run("resumable.py", tmp_path, *ARGS, *ft, timeout=120)
+    assert result.returncode != 0
+    assert f"could not reach the lighthouse at {address}" in result.stderr, result.stderr[-3000:]
+    assert "perdure ft lighthouse" in result.stderr
+    assert sidecar(tmp_path)["attempts"][-1]["status"] == "failed"
