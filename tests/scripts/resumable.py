@@ -8,6 +8,7 @@ Environment knobs (tests only):
   STEP_SLEEP    seconds to sleep per micro-batch, so an outside SIGKILL lands mid-run
   SLOW_WHILE    a path: STEP_SLEEP applies only while it exists (a test holds a run back while it stages faults)
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (a deterministic hard death)
+  KILL_AFTER_STEPS  SIGKILL this very process at the N-th step it trains itself, wherever a heal put it
   FAULT         POINT:N — inject a fault at the N-th pass through a point of the checkpoint code
                 (POINT:N+ — at every pass from the N-th on):
                   pointer  SIGKILL just before `latest` moves (the checkpoint directory is already committed)
@@ -112,6 +113,8 @@ class ResumableRunner(Runner):
         self.step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
         self.slow_while = os.environ.get("SLOW_WHILE")
         self.kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
+        self.kill_after = int(os.environ.get("KILL_AFTER_STEPS", "-1"))
+        self._steps_here = 0
         self.nan_at = int(os.environ.get("NAN_AT_STEP", "-1"))
         self.nan_here = os.environ.get("NAN_RANK", str(self.rank)) == str(self.rank)
         self._nan_done = False
@@ -125,7 +128,8 @@ class ResumableRunner(Runner):
         return states
 
     def train_step(self, batch):
-        if self.state.global_step == self.kill_at:
+        self._steps_here += 1
+        if self.state.global_step == self.kill_at or self._steps_here == self.kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
         loss = super().train_step(batch)
         if self.state.global_step == self.nan_at and self.nan_here and not self._nan_done:
