@@ -19,7 +19,8 @@ from perdure.config import flatten, plain_dict
 # Keys that do not change the maths, as dotted prefixes (`*` matches one section name, e.g. a dataloader split).
 # They are left out of `config_id`: logging, where the run lives, where it restores from, how checkpoints are
 # written, the step / epoch budget (so a run can be extended by resuming it with a larger budget), loader
-# performance knobs, and `deterministic` (which kernels compute the same maths: a run may turn it on to continue).
+# performance knobs, and `deterministic` and `compile` (which kernels compute the same maths: a run may turn them on
+# or off to continue), `perf` (what MFU is measured against).
 NON_IDENTITY_KEYS = (
     "workspace",
     "log",
@@ -38,6 +39,8 @@ NON_IDENTITY_KEYS = (
     "dataloader.*.num_workers",
     "dataloader.*.pin_memory",
     "deterministic",
+    "compile",
+    "perf",
 )
 
 # Fixed diff options, so the hash of a dirty tree does not depend on the user's git configuration.
