@@ -18,6 +18,7 @@ from perdure.checkpoints.source import RestoreSource
 from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError
 from perdure.loggers.console import get_logger
+from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
 from perdure.runners.export import export_weights, read_weights
 from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
@@ -87,6 +88,7 @@ class CheckpointingMixin:
             self._save_failed(name, reason, str(error))
             return None
         self._saved_position = position
+        self.meter.exclude(time.perf_counter() - started)  # not training time: kept out of step_time
         if path is not None:
             seconds = time.perf_counter() - started
             if self.config.ckpt.async_mode == "disabled":
@@ -200,7 +202,7 @@ class CheckpointingMixin:
     def export_model(self) -> Path:
         """Write `model.pth` (and `model-ema.pth` with EMA) into the run dir, cast to `ckpt.export_dtype`."""
         dtype = self.config.ckpt.export_dtype
-        path = export_weights(self.unwrap_model().state_dict(), self.run_dir.path / "model.pth", dtype)
+        path = export_weights(plain_state_dict(self.unwrap_model()), self.run_dir.path / "model.pth", dtype)
         if self.ema is not None:
             export_weights(self.ema.weights(), self.run_dir.path / "model-ema.pth", dtype)
         return path
@@ -257,8 +259,12 @@ MISMATCHES_SHOWN = 5
 
 def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: Path) -> None:
     """`model.load_state_dict(weights)`, refusing with a CheckpointError that names the missing, unexpected and
-    mis-shaped keys (the first few of each, and how many) instead of torch's long traceback."""
-    expected = model.state_dict()
+    mis-shaped keys (the first few of each, and how many) instead of torch's long traceback. Names are matched
+    without `torch.compile`'s `_orig_mod.`, so weights load into a compiled or an uncompiled model alike."""
+    model = uncompiled(model)
+    names = {plain_name(key): key for key in model.state_dict()}
+    expected = plain_state_dict(model)
+    weights = strip_compile_prefix(weights)
     missing = [key for key in expected if key not in weights]
     unexpected = [key for key in weights if key not in expected]
     shapes = [
@@ -276,7 +282,7 @@ def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tenso
             f"the weights in {source} do not fit {type(model).__name__}: {'; '.join(problems)}. Give weights of the "
             "same architecture (a checkpoint or model.pth of this model)"
         )
-    model.load_state_dict(weights)
+    model.load_state_dict({names[key]: value for key, value in weights.items()})
 
 
 def read_stored_config(checkpoint: Path) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from perdure.loggers.base import LoggerGroup, build_loggers
 from perdure.loggers.console import set_progress_bar
 from perdure.loggers.progress import ProgressBar
 from perdure.runners.state import RunnerState
+from perdure.runners.throughput import format_metric
 from perdure.workspace.identity import canonical_config
 from perdure.workspace.metadata import write_metadata
 from perdure.workspace.run_dir import RunDir
@@ -128,7 +129,7 @@ class RunTelemetry:
             self.progress.update(step, {name: value for name, value in metrics.items() if name == "loss"})
         budget = self.config.steps if self.config.training_mode() == "steps" else None
         where = f"step {step}/{budget}" if budget else f"step {step} epoch {self.state.epoch}"
-        logger.info("%s %s: %s", where, split, " ".join(f"{name} {value:.6g}" for name, value in metrics.items()))
+        logger.info("%s %s: %s", where, split, " ".join(format_metric(name, value) for name, value in metrics.items()))
         self.loggers.log_metrics(split, metrics, step)
         if self.sidecar is not None:
             self.sidecar.record(step=step, epoch=self.state.epoch, metrics={split: metrics})
