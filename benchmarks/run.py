@@ -1,6 +1,7 @@
 """Run the benchmarks (`make bench`): each in its own process, then one summary table.
 
-    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [gpu] [--strict]
+    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [sampler_scale]
+                             [gpu] [--strict]
 
 Each benchmark prints its own table and writes `bench-results/<name>.json`; `gpu` says it skipped where there is no
 CUDA device. A missed target is reported, not
@@ -23,7 +24,7 @@ from typing import Any
 from _common import DEFAULT_THREADS, RESULTS_DIR, format_table
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save", "ddp_step", "gpu")
+BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save", "ddp_step", "sampler_scale", "gpu")
 
 
 def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
@@ -78,6 +79,11 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
                   f"{r['step_time_over_none']:.3f}", "", ""]
                  for mode, r in results.get("stall", {}).items() if mode != "none"]  # fmt: skip
         return rows
+    if name == "sampler_scale":
+        rows = [[name, f"{r['implementation']} {r['n']:,} {r['action']}: s / +peak RSS MiB / ns per index",
+                 f"{r['seconds']:.3f} / {r['rss_mib']:.0f} / {r['ns_per_index']:.0f}", "", ""]
+                for r in results["cases"]]  # fmt: skip
+        return rows + [[name, key, f"{value:.1f}x", "", ""] for key, value in results["ratios"].items()]
     if name == "async_stall":
         return [
             [name, f"{mode}: stall per save s / total s / peak RSS GiB", f"{r['stall_per_save_s']:.3f} / "

@@ -119,10 +119,12 @@ class ResumableSampler(Sampler[int]):
 class HashedPermutation:
     """A pseudo-random permutation of `range(n)` keyed by `seed`, evaluated at any positions without building it.
 
-    A balanced Feistel network (six rounds of a multiply-xorshift mix of one half with a round key) is a bijection of
-    the `2**(2*half)` integers of `2*half` bits, the smallest such domain holding `n`; positions it maps outside
-    `range(n)` are mapped again until they land inside ("cycle walking"), which keeps it a bijection of `range(n)`.
-    The domain is less than `4 * n`, so few values need more than one pass. All arithmetic stays below 2**63 in int64.
+    The positions' `bits` (the smallest number of bits holding `n - 1`) are split into a high and a low part, and six
+    rounds alternately xor one part with a multiply-xorshift mix of the other part and a round key: each round is
+    invertible, so together they are a bijection of the `2**bits` integers of `bits` bits (a Feistel network with
+    unbalanced halves). Values it maps outside `range(n)` are mapped again until they land inside ("cycle walking"),
+    which keeps it a bijection of `range(n)`; the domain is less than `2 * n`, so most values need one pass. All
+    arithmetic stays below 2**63 in int64.
     """
 
     ROUNDS = 6
@@ -132,8 +134,10 @@ class HashedPermutation:
         if not 0 < n < 2**62:
             raise ValueError(f"HashedPermutation needs 0 < n < 2**62, got {n}")
         self.n = n
-        self.half = max(((n - 1).bit_length() + 1) // 2, 1)
-        self.mask = (1 << self.half) - 1
+        bits = max((n - 1).bit_length(), 2)
+        self.low_bits = bits // 2
+        self.low_mask = (1 << self.low_bits) - 1
+        self.high_mask = (1 << (bits - self.low_bits)) - 1
         generator = torch.Generator()
         generator.manual_seed(seed)
         self.keys = torch.randint(0, 2**31 - 1, (self.ROUNDS,), generator=generator).tolist()
@@ -141,21 +145,24 @@ class HashedPermutation:
     def __call__(self, positions: torch.Tensor) -> torch.Tensor:
         """The permuted values of `positions` (int64 in `range(n)`)."""
         values = self._encrypt(positions.to(torch.int64))
-        outside = values >= self.n
-        while bool(outside.any()):
-            values[outside] = self._encrypt(values[outside])
-            outside = values >= self.n
+        outside = (values >= self.n).nonzero().squeeze(1)
+        while outside.numel():
+            walked = self._encrypt(values[outside])
+            values[outside] = walked
+            outside = outside[walked >= self.n]
         return values
 
     def _encrypt(self, x: torch.Tensor) -> torch.Tensor:
-        left, right = x >> self.half, x & self.mask
-        for key in self.keys:
-            left, right = right, left ^ self._mix(right, key)
-        return (left << self.half) | right
+        high, low = x >> self.low_bits, x & self.low_mask
+        for round_index, key in enumerate(self.keys):
+            if round_index % 2 == 0:
+                high = high ^ (self._mix(low, key) & self.high_mask)
+            else:
+                low = low ^ (self._mix(high, key) & self.low_mask)
+        return (high << self.low_bits) | low
 
-    def _mix(self, half: torch.Tensor, key: int) -> torch.Tensor:
-        x = ((half ^ key) & 0x7FFFFFFF) * self.MIX[0]
+    def _mix(self, part: torch.Tensor, key: int) -> torch.Tensor:
+        x = ((part ^ key) & 0x7FFFFFFF) * self.MIX[0]
         x = x ^ (x >> 29)
         x = (x & 0x7FFFFFFF) * self.MIX[1]
-        x = x ^ (x >> 31)
-        return x & self.mask
+        return x ^ (x >> 31)
