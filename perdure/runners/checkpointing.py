@@ -23,6 +23,7 @@ from perdure.runners.export import export_weights, read_weights
 from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
 from perdure.safe_io import read_yaml
+from perdure.wording import counted
 from perdure.workspace.identity import canonical_config, config_diff
 from perdure.workspace.run_dir import resolve_run_dir
 
@@ -147,10 +148,10 @@ class CheckpointingMixin:
                 seed = derived_seed(self.config.seed, self.rank, self.state.global_step)
                 seed_everything(seed)
                 self.logger.warning(
-                    "%s was written by %s ranks and holds no state for rank %d: its RNGs are seeded from (seed, rank, "
+                    "%s was written by %s and holds no state for rank %d: its RNGs are seeded from (seed, rank, "
                     "step) = %d instead; its data position comes from the replicated state",
                     source.info.name,
-                    source.info.manifest.get("world_size"),
+                    counted(source.info.manifest.get("world_size"), "rank"),
                     self.rank,
                     seed,
                 )
@@ -171,13 +172,12 @@ class CheckpointingMixin:
             "global_batch": [per_rank * before, per_rank * self.world_size],
         }
         self.logger.warning(
-            "TOPOLOGY CHANGE: %s was written by %d rank%s, this attempt runs on %d: the global batch changes from %d "
+            "TOPOLOGY CHANGE: %s was written by %s, this attempt runs on %s: the global batch changes from %d "
             "to %d samples per optimizer step (%d per rank x %d accumulation x ranks); the data position continues "
             "from the same sample",
             info.name,
-            before,
-            "" if before == 1 else "s",
-            self.world_size,
+            counted(before, "rank"),
+            counted(self.world_size, "rank"),
             per_rank * before,
             per_rank * self.world_size,
             self.config.loader_options("train")["batch_size"],

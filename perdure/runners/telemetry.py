@@ -93,6 +93,8 @@ class RunTelemetry:
                 details["code_id"],
             )
         restarts = {name: _int_or_none(os.environ.get(name)) for name in RESTART_COUNTERS if name in os.environ}
+        unit = self.config.training_mode()
+        details = {**details, "budget": {unit: self.config.lookup(unit)}}  # `perdure runs show` prints it
         entry = self.sidecar.start_attempt(
             started=attempt,
             restart_counts=restarts,
