@@ -13,7 +13,7 @@ config class documents its keys the same way:
 
 A subclass's comment wins over its base's for a key both set. `--help` prints every key with its value after
 `--config` files and command-line options and its help line; `docs/config.md` is generated from the same source
-(`python -m perdure.config_help`).
+(`python scripts/config_reference.py > docs/config.md`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import inspect
 import io
-import sys
 import textwrap
 import tokenize
 from collections.abc import Mapping
@@ -263,8 +262,8 @@ def markdown_reference(config_class: type) -> str:
     lines = [
         "# Config reference",
         "",
-        "<!-- Generated from perdure/config.py by `python -m perdure.config_help > docs/config.md`; a test checks that",
-        "     this file matches the code. Edit the comments in RunnerConfig.__init__, not this table. -->",
+        "<!-- Generated from perdure/config.py by `python scripts/config_reference.py > docs/config.md`; a test checks",
+        "     that this file matches the code. Edit the comments in RunnerConfig.__init__, not this table. -->",
         "",
         "Every key of `RunnerConfig` with its default. `python your_program.py --help` prints the same list with the",
         "values in effect after `--config` files and command-line options, plus your own keys with the comments on",
@@ -276,9 +275,3 @@ def markdown_reference(config_class: type) -> str:
     for key, value, text in rows:
         lines.append(f"| `{key}` | `{value}` | {text.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    from perdure.config import RunnerConfig
-
-    sys.stdout.write(markdown_reference(RunnerConfig))

@@ -138,7 +138,8 @@ def test_old_eval_interval_key_is_refused_with_its_new_name():
 
 def test_config_reference_is_generated_from_the_code():
     expected = markdown_reference(RunnerConfig)
-    assert (DOCS / "config.md").read_text() == expected, "regenerate: python -m perdure.config_help > docs/config.md"
+    fix = "regenerate it: python scripts/config_reference.py > docs/config.md"
+    assert (DOCS / "config.md").read_text() == expected, fix
 
 
 # "`key` (default 50", "`key K` (default 0:", "`key` defaults to `val`", "`key` (default: true": a key in backticks,
