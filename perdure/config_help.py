@@ -114,15 +114,18 @@ ALIAS_NOTES: dict[str, str] = {
     "limit_val_batches": "batches per split at each evaluation",
     "evaluation_steps": "steps between evaluations",
     "init_from": "model weights only; --checkpoint for the full state",
+    "eval_interval": "renamed",
 }
 
 
 def alias_hint(name: str, known: set[str]) -> str | None:
-    """`did you mean 'optim.lr'? (perdure's name for lr)` when `name` is another trainer's name for a key `known`
-    holds, else None."""
-    alias = name.replace("-", "_").lower()
-    key = ALIASES.get(alias)
-    if key is None or key not in known:
+    """`did you mean 'optim.lr'? (perdure's name for lr)` when `name`, or its last part (`optim.learning_rate`), is
+    another trainer's name for a key `known` holds, else None."""
+    for alias in (name.replace("-", "_").lower(), name.rsplit(".", 1)[-1].replace("-", "_").lower()):
+        key = ALIASES.get(alias)
+        if key is not None and key in known:
+            break
+    else:
         return None
     note = ALIAS_NOTES.get(alias)
     return f"did you mean '{key}'? (perdure's name for {name}{': ' + note if note else ''})"
