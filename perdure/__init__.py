@@ -3,6 +3,7 @@
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy
 from perdure.checkpoints.file import FileCheckpointManager
 from perdure.config import RunnerConfig
+from perdure.data.iterable import NodeDataset
 from perdure.data.loader import ResumableLoader
 from perdure.data.sample_folder import SampleFolder, write_sample_folder
 from perdure.data.sampler import ResumableSampler
@@ -16,6 +17,7 @@ from perdure.errors import (
     UnsafeFileError,
 )
 from perdure.runners.base import BaseRunner
+from perdure.runners.compile import plain_state_dict, strip_compile_prefix
 from perdure.runners.runner import Runner
 from perdure.runners.state import RunnerState
 from perdure.runners.torch_runner import TorchRunner
@@ -30,6 +32,7 @@ __all__ = [
     "CheckpointPolicy",
     "ConfigError",
     "FileCheckpointManager",
+    "NodeDataset",
     "PerdureError",
     "ResumableLoader",
     "ResumableSampler",
@@ -41,5 +44,7 @@ __all__ = [
     "StackNotAvailableError",
     "TorchRunner",
     "UnsafeFileError",
+    "plain_state_dict",
+    "strip_compile_prefix",
     "write_sample_folder",
 ]
