@@ -104,7 +104,7 @@ class RunnerConfig(chanfig.Config):
         self.checkpoint = None  # start a new run from this checkpoint's full state
         self.resume = "auto"  # auto: continue this run's latest checkpoint; false: refuse to start over one
         self.pretrained = None  # start from these model weights only (an export or a checkpoint)
-        self.eval.steps = None  # batches per split at each evaluation; None: the whole split
+        self.eval.steps = None  # batches of each split an evaluation reads (all ranks together); None: all of it
         self.eval.interval = None  # evaluate every N steps (epochs); None: every ckpt.interval steps (every epoch)
         self.ckpt.enabled = True  # false: write no checkpoint, pointer or export (reads still happen)
         self.ckpt.backend = "auto"  # auto: dcp with several ranks, else file; or file, dcp, deepspeed

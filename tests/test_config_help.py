@@ -56,7 +56,7 @@ def test_help_lines_come_from_the_comments_where_keys_are_set(capsys):
     assert rows["net.dropout"] == "0.1 probability of zeroing an activation (only while training)"
     assert rows["ckpt.interval"] == "20 every 20 steps here"  # the subclass's comment wins
     assert rows["max_grad_norm"].startswith("null clip the gradient norm")
-    assert rows["eval.steps"] == "null batches per split at each evaluation; None: the whole split"
+    assert rows["eval.steps"] == "null batches of each split an evaluation reads (all ranks together); None: all of it"
 
 
 def test_every_perdure_key_has_a_help_line():

@@ -97,3 +97,16 @@ def test_a_position_names_its_permutation_and_an_old_one_means_randperm():
     assert loader.sampler.permutation == "randperm"
     with pytest.raises(CheckpointError, match="permutation"):
         loader.restore({"epoch": 0, "offset": 8, "world_size": 1, "permutation": "x" * 500})
+
+
+def test_an_evaluation_limit_bounds_the_same_samples_on_any_number_of_ranks():
+    def read(world_size):
+        shares = []
+        for rank in range(world_size):
+            sampler = ResumableSampler(100, shuffle=False, rank=rank, world_size=world_size, pad=False)
+            sampler.set_epoch(0, limit=24)  # e.g. eval.steps 3 of batch size 8
+            shares.append(list(sampler))
+            assert len(sampler) == len(shares[-1])
+        return sorted(index for share in shares for index in share)
+
+    assert read(1) == read(2) == read(3) == list(range(24))

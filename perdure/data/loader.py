@@ -94,11 +94,12 @@ class ResumableLoader:
         """Samples one batch of this rank stands for across all ranks (every rank reads batches of equal size)."""
         return batch_length(batch) * self.world_size
 
-    def iter_epoch(self, epoch: int, samples_done: int = 0) -> Iterator[Any]:
-        """An iterator over epoch `epoch` that skips the `samples_done` samples all ranks together consumed."""
+    def iter_epoch(self, epoch: int, samples_done: int = 0, limit: int | None = None) -> Iterator[Any]:
+        """An iterator over epoch `epoch` that skips the `samples_done` samples all ranks together consumed and, with
+        `limit`, ends after the epoch's first `limit` samples (all ranks together; map-style datasets)."""
         self.generator.manual_seed(self.seed * 1_000_003 + epoch)
         if self.sampler is not None:
-            self.sampler.set_epoch(epoch, samples_done)
+            self.sampler.set_epoch(epoch, samples_done, limit)
         elif self._iterable_state is not None:
             self.loader.load_state_dict(self._iterable_state)
             self._iterable_state = None

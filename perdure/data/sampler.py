@@ -59,24 +59,29 @@ class ResumableSampler(Sampler[int]):
         self.pad = pad
         self.epoch = 0
         self.offset = 0
+        self.limit: int | None = None
         self.permutation = permutation or ("randperm" if dataset_len <= RANDPERM_LIMIT else "hashed")
         if self.permutation not in PERMUTATIONS:
             raise ValueError(f"permutation {self.permutation!r}: use one of {', '.join(PERMUTATIONS)}")
         self._order: tuple[tuple[int, int], torch.Tensor] | None = None  # ((seed, epoch), randperm) of one epoch
 
-    def set_epoch(self, epoch: int, offset: int = 0) -> None:
-        """Select the epoch and the global offset the next iterator starts from."""
+    def set_epoch(self, epoch: int, offset: int = 0, limit: int | None = None) -> None:
+        """Select the epoch and the global offset the next iterator starts from; `limit` ends the epoch after that
+        many positions of the order (all ranks together), e.g. an evaluation bounded to its first samples."""
         self.epoch = epoch
         self.offset = offset
+        self.limit = limit
 
     @property
     def total_size(self) -> int:
         """Samples all ranks together consume in one epoch."""
         if self.drop_last:
-            return (self.dataset_len // self.world_size) * self.world_size
-        if not self.pad:
-            return self.dataset_len
-        return math.ceil(self.dataset_len / self.world_size) * self.world_size
+            total = (self.dataset_len // self.world_size) * self.world_size
+        elif not self.pad:
+            total = self.dataset_len
+        else:
+            total = math.ceil(self.dataset_len / self.world_size) * self.world_size
+        return total if self.limit is None else min(total, self.limit)
 
     def indices(self, positions: torch.Tensor) -> torch.Tensor:
         """Dataset indices at `positions` (int64, any shape) of this epoch's order; positions past the dataset's
