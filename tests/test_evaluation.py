@@ -4,10 +4,13 @@ best score found between two saves is saved and pointed to."""
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
 from perdure.checkpoints.commit import read_pointer
+from perdure.loggers.metrics_csv import read_metrics_csv
+from tests.runs import run, run_dir
 from tests.scripts.resumable import ResumableRunner, make_config
 
 
@@ -55,3 +58,16 @@ def test_a_best_found_between_saves_is_saved_and_pointed_to(tmp_path):
             improved.append(f"ckpt-s{int(step):012d}")
     assert set(improved) <= set(saved)
     assert set(saved) - set(improved) <= {"ckpt-s000000000010", "ckpt-s000000000012"}
+
+
+def test_the_evaluation_of_a_checkpoint_step_survives_a_kill_right_after_the_commit(tmp_path):
+    """Killed after checkpoint 20 is committed and before `latest` moves: the rerun continues from it and does not
+    evaluate step 20 again, so the rows of that evaluation must already be in metrics.csv."""
+    args = ("--steps", "30", "--ckpt.interval", "10")
+    killed = run("resumable.py", tmp_path, *args, FAULT="pointer:2")
+    assert killed.returncode == -signal.SIGKILL
+    rerun = run("resumable.py", tmp_path, *args)
+    assert rerun.returncode == 0 and "ckpt-s000000000020 (step 20)" in rerun.stdout, rerun.stdout + rerun.stderr
+    rows = [(step, split) for step, split, name, _ in read_metrics_csv(run_dir(tmp_path) / "metrics.csv")
+            if name == "loss" and split == "val"]  # fmt: skip
+    assert rows == [(10, "val"), (20, "val"), (30, "val")]

@@ -72,6 +72,7 @@ class CheckpointingMixin:
         is_best = self.state.best_step == self.state.global_step
         self.state.pending_losses = losses_as_floats(self._losses)  # plain numbers: one device sync per save
         started = time.perf_counter()
+        self.telemetry.before_checkpoint()
         try:
             path = self.checkpoints.save(
                 name,

@@ -154,6 +154,14 @@ class RunTelemetry:
             self._write_sidecar(durable=False)
             self._sidecar_at = self._heartbeat_at = now
 
+    def before_checkpoint(self) -> None:
+        """A checkpoint of this step is about to be written: what was logged up to it (the evaluation of this very
+        step included) is handed to the OS first, so a kill right after the commit loses no row the checkpoint covers
+        (the resumed run does not log those steps again). No fsync here, which would stall the loop: `checkpoint`
+        makes them durable once the checkpoint is committed."""
+        if self.active:
+            self.loggers.flush()
+
     def checkpoint(self, name: str, *, seconds: float, best: str | None) -> None:
         """A checkpoint was committed: loggers made durable up to it, the sidecar names it."""
         if not self.active:
