@@ -83,6 +83,7 @@ def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
         for section in sections:
             node = node.setdefault(section, {})
         node[leaf] = value
+    _keep_earlier_form(canonical)
     # The budget's size is not identity but its unit is: intervals count steps or epochs depending on it.
     plain = plain_dict(config)
     if plain.get("epochs") is not None:
@@ -90,6 +91,17 @@ def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
     elif plain.get("steps") is not None:
         canonical["budget_unit"] = "steps"
     return canonical
+
+
+def _keep_earlier_form(canonical: dict[str, Any]) -> None:
+    """Keys added or renamed since runs were first made, in the form those runs hashed, as long as they hold what an
+    earlier run could express: the run directory (and `--checkpoint`'s config check) of a run made before stays the
+    same after an upgrade of perdure. `eval.interval` was `eval_interval`, and `eval.steps` did not exist: while
+    `eval.steps` is null, the section is hashed as the single key `eval_interval`."""
+    section = canonical.get("eval")
+    if isinstance(section, dict) and set(section) == {"steps", "interval"} and section["steps"] is None:
+        del canonical["eval"]
+        canonical["eval_interval"] = section["interval"]
 
 
 def _serialise(value: Any) -> str:
