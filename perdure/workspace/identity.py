@@ -100,8 +100,12 @@ def _keep_earlier_form(canonical: dict[str, Any]) -> None:
     `eval.steps` is null, the section is hashed as the single key `eval_interval`."""
     section = canonical.get("eval")
     if isinstance(section, dict) and set(section) == {"steps", "interval"} and section["steps"] is None:
-        del canonical["eval"]
-        canonical["eval_interval"] = section["interval"]
+        items = [
+            ("eval_interval", section["interval"]) if key == "eval" else (key, value)
+            for key, value in canonical.items()
+        ]
+        canonical.clear()
+        canonical.update(items)  # in its place, as the canonical config files show it
 
 
 def _serialise(value: Any) -> str:
