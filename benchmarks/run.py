@@ -1,7 +1,7 @@
 """Run the benchmarks (`make bench`): each in its own process, then one summary table.
 
     python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [deepspeed_step]
-                             [gpu] [ft_recovery] [--strict]
+                             [sampler_scale] [gpu] [ft_recovery] [--strict]
 
 Each benchmark prints its own table and writes `bench-results/<name>.json`; `gpu` says it skipped where there is no
 CUDA device. A missed target is reported, not
@@ -31,6 +31,7 @@ BENCHMARKS = (
     "dcp_save",
     "ddp_step",
     "deepspeed_step",
+    "sampler_scale",
     "gpu",
     "ft_recovery",
 )
@@ -106,6 +107,11 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
             [name, f"committed steps, {faulty['kills']} kills / none",
              f"{results['committed_steps_faulty_over_baseline']:.3f}", "", ""],
         ]  # fmt: skip
+    if name == "sampler_scale":
+        rows = [[name, f"{r['implementation']} {r['n']:,} {r['action']}: s / +peak RSS MiB / ns per index",
+                 f"{r['seconds']:.3f} / {r['rss_mib']:.0f} / {r['ns_per_index']:.0f}", "", ""]
+                for r in results["cases"]]  # fmt: skip
+        return rows + [[name, key, f"{value:.1f}x", "", ""] for key, value in results["ratios"].items()]
     if name == "async_stall":
         return [
             [name, f"{mode}: stall per save s / total s / peak RSS GiB", f"{r['stall_per_save_s']:.3f} / "

@@ -3,7 +3,8 @@
     python examples/mlp.py                          # 300 steps, a checkpoint every 50, ~2 s on a laptop CPU
     python examples/mlp.py --steps 600              # extend the same run: it resumes from step 300
     python examples/mlp.py --optim.lr 1e-2          # a different config is a different run directory
-    python examples/mlp.py --help                   # every key and its current value
+    python examples/mlp.py --help                   # every key, its value and its help line
+    python examples/mlp.py --config configs/mlp-tiny.yaml   # a preset (configs/): a few seconds on a CPU
 
 Kill it at any moment (Ctrl-C, `kill -9`, a preempted node) and run the same command again: it continues from its
 last checkpoint and ends with exactly the same weights as a run that never stopped.
@@ -28,31 +29,29 @@ from perdure import ConfigError, Runner, RunnerConfig
 class Config(RunnerConfig):
     def __init__(self):
         super().__init__()
-        # budget and checkpoints: 300 optimizer steps, evaluate and checkpoint every 50
-        self.steps = 300
+        # The comment at the end of a line is that key's help in `--help` (perdure's keys have theirs already).
+        self.steps = 300  # optimizer steps
         self.seed = 1337
-        self.ckpt.interval = 50
-        # optimizer and schedule: perdure builds AdamW and a warmup + cosine LambdaLR from these keys
-        self.optim.name = "adamw"
+        self.ckpt.interval = 50  # evaluate and checkpoint every 50 steps
+        self.optim.name = "adamw"  # perdure builds AdamW and a warmup + cosine LambdaLR from optim.* and sched.*
         self.optim.lr = 3e-3
         self.optim.weight_decay = 0.01
         self.sched.name = "cosine"
         self.sched.warmup_steps = 30
         self.sched.min_lr_ratio = 0.1
         self.dataloader.batch_size = 64
-        # "best" is the checkpoint with the highest validation accuracy
-        self.score.metric = "accuracy"
+        self.score.metric = "accuracy"  # "best" is the checkpoint with the highest validation accuracy
         self.score.mode = "max"
-        # our own keys: they are command-line options too (--data.samples 8192, --net.dropout 0.2, ...)
-        self.data.samples = 4096
-        self.data.features = 32
-        self.data.classes = 4
-        self.data.clusters = 4
-        self.data.noise = 1.5
-        self.data.val_fraction = 0.125
-        self.data.seed = 0
-        self.net.hidden = 128
-        self.net.dropout = 0.1
+        # our own keys: command-line options too (--data.samples 8192, --net.dropout 0.2, ...)
+        self.data.samples = 4096  # samples in the synthetic dataset (train + val)
+        self.data.features = 32  # features per sample
+        self.data.classes = 4  # classes to predict
+        self.data.clusters = 4  # Gaussian blobs per class (several: not linearly separable)
+        self.data.noise = 1.5  # standard deviation of the blobs
+        self.data.val_fraction = 0.125  # share of the samples held out for validation
+        self.data.seed = 0  # seed of the data (independent of the run's seed)
+        self.net.hidden = 128  # width of the two hidden layers
+        self.net.dropout = 0.1  # dropout after each hidden layer
 
     def check_user_keys(self):
         # Our own keys are checked like perdure's: after --config and the command line, before anything is written.

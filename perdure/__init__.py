@@ -3,6 +3,7 @@
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy
 from perdure.checkpoints.file import FileCheckpointManager
 from perdure.config import RunnerConfig
+from perdure.data.iterable import NodeDataset
 from perdure.data.loader import ResumableLoader
 from perdure.data.sample_folder import SampleFolder, write_sample_folder
 from perdure.data.sampler import ResumableSampler
@@ -17,6 +18,7 @@ from perdure.errors import (
 )
 from perdure.ft.runner import FaultTolerant
 from perdure.runners.base import BaseRunner
+from perdure.runners.compile import plain_state_dict, strip_compile_prefix
 from perdure.runners.deepspeed_runner import DeepSpeedRunner
 from perdure.runners.runner import Runner
 from perdure.runners.state import RunnerState
@@ -34,6 +36,7 @@ __all__ = [
     "DeepSpeedRunner",
     "FaultTolerant",
     "FileCheckpointManager",
+    "NodeDataset",
     "PerdureError",
     "ResumableLoader",
     "ResumableSampler",
@@ -45,5 +48,7 @@ __all__ = [
     "StackNotAvailableError",
     "TorchRunner",
     "UnsafeFileError",
+    "plain_state_dict",
+    "strip_compile_prefix",
     "write_sample_folder",
 ]

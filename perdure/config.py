@@ -19,7 +19,7 @@ import chanfig
 import yaml
 from typing_extensions import Self
 
-from perdure import config_text
+from perdure import config_help, config_text
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
 from perdure.ft.config import DEFAULTS as FT_DEFAULTS
@@ -40,6 +40,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 PROGRESS_MODES = ("auto", "bar", "lines")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 _CHOICES: dict[str, tuple] = {
@@ -56,11 +57,13 @@ _CHOICES: dict[str, tuple] = {
     "wandb.mode": WANDB_MODES,
     "log.progress": PROGRESS_MODES,
     "dist.backend": DIST_BACKENDS,
+    "compile.mode": COMPILE_MODES,
 }
 # key: (minimum, None allowed)
 _COUNTS: dict[str, tuple[int, bool]] = {
     "accum_steps": (1, False),
-    "eval_interval": (1, True),
+    "eval.steps": (1, True),
+    "eval.interval": (1, True),
     "ckpt.interval": (1, True),
     "ckpt.interval_steps": (1, True),
     "ckpt.keep_latest_k": (0, False),
@@ -77,6 +80,7 @@ _BOOLS = (
     "ema.enabled",
     "tensorboard.enabled",
     "wandb.enabled",
+    "compile.enabled",
 )
 _MISSING = object()
 # Non-key attribute (chanfig `setattr`) holding the dotted keys given on the command line: not in to_plain / yaml /
@@ -88,65 +92,68 @@ class RunnerConfig(chanfig.Config):
     """Configuration of a run. Subclass it and set `self.steps`, `self.optim.lr`, your own keys, ... in `__init__`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # One line of help per key: the comment at the end of its line (`--help` shows it; docs/config.md lists it).
         super().__init__(*args, **kwargs)
-        self.stack = "torch"
-        self.seed = 0
-        self.steps = None
-        self.epochs = None
-        self.accum_steps = 1
-        self.precision = "fp32"
-        self.max_grad_norm = None
-        self.skip_nonfinite_grad = True
+        self.stack = "torch"  # training stack: torch (one process or DDP), parallel, deepspeed
+        self.seed = 0  # seeds python, numpy and torch; each rank derives its own stream from it
+        self.steps = None  # budget in optimizer steps (set exactly one of steps / epochs)
+        self.epochs = None  # budget in passes over the training data (set exactly one of steps / epochs)
+        self.accum_steps = 1  # micro-batches per optimizer step (gradient accumulation)
+        self.precision = "fp32"  # fp32, or bf16 / fp16 autocast (fp16 also scales the loss)
+        self.max_grad_norm = None  # clip the gradient norm to this; None or 0: no clipping
+        self.skip_nonfinite_grad = True  # skip (and count) an optimizer step whose gradients are not finite
         self.deterministic = False  # deterministic kernels (GPU resumes bit-exact); see docs/checkpoints.md
-        self.eval_interval = None
-        self.checkpoint = None
-        self.resume = "auto"
-        self.pretrained = None
-        self.ckpt.enabled = True
-        self.ckpt.backend = "auto"
-        self.ckpt.interval = None
-        self.ckpt.interval_steps = None
-        self.ckpt.keep_latest_k = 0
-        self.ckpt.save_best = True
-        self.ckpt.export_dtype = None
-        self.ckpt.async_mode = "disabled"  # disabled | thread | process
+        self.checkpoint = None  # start a new run from this checkpoint's full state
+        self.resume = "auto"  # auto: continue this run's latest checkpoint; false: refuse to start over one
+        self.pretrained = None  # start from these model weights only (an export or a checkpoint)
+        self.eval.steps = None  # batches of each split an evaluation reads (all ranks together); None: all of it
+        self.eval.interval = None  # evaluate every N steps (epochs); None: every ckpt.interval steps (every epoch)
+        self.ckpt.enabled = True  # false: write no checkpoint, pointer or export (reads still happen)
+        self.ckpt.backend = "auto"  # auto: dcp with several ranks, else file; or file, dcp, deepspeed
+        self.ckpt.interval = None  # checkpoint every N steps (epochs in epoch mode); None: 500 steps or 1 epoch
+        self.ckpt.interval_steps = None  # epoch mode: also checkpoint every N steps inside an epoch
+        self.ckpt.keep_latest_k = 3  # keep the K newest checkpoints (plus latest, best, resumed-from); 0: keep all
+        self.ckpt.save_best = True  # a new best score between two interval saves is saved too
+        self.ckpt.export_dtype = None  # cast model.pth to fp32, bf16 or fp16 (checkpoints keep full precision)
+        self.ckpt.async_mode = "disabled"  # disabled, thread or process: write checkpoints in the background
         self.ckpt.on_error = "warn"  # a failed periodic save: warn and train on, or raise
-        self.optim.name = "adamw"
-        self.optim.lr = 1e-3
-        self.optim.weight_decay = 0.0
-        self.optim.betas = [0.9, 0.999]
-        self.optim.eps = 1e-8
-        self.optim.momentum = 0.9
-        self.sched.name = "none"
-        self.sched.warmup_steps = 0
-        self.sched.min_lr_ratio = 0.0
-        # None: the schedule spans the budget (steps, or epochs times steps per epoch). Set it to keep the curve
-        # fixed when a run is later extended with a larger budget.
-        self.sched.total_steps = None
-        self.dataloader.batch_size = 32
-        self.dataloader.shuffle = True
-        self.dataloader.num_workers = 0
-        self.dataloader.drop_last = False
-        self.dataloader.pin_memory = False
-        self.score.split = "val"
-        self.score.metric = "loss"
-        self.score.mode = "min"
-        self.score.patience = 0
-        self.ema.enabled = False
-        self.ema.decay = 0.999
-        self.workspace.root = None
-        self.workspace.lineage = None
-        self.workspace.id = None
-        # Pins the code part of the run directory's name: continue a run after a code change (see docs/workspace.md).
-        self.workspace.code_id = None
-        self.workspace.tags = []
-        self.log.interval = 50
-        self.log.progress = "auto"  # auto: a progress bar on a terminal, plain lines otherwise
-        self.tensorboard.enabled = False
-        self.wandb.enabled = False
-        self.wandb.project = None
-        self.wandb.entity = None
-        self.wandb.mode = "online"
+        self.optim.name = "adamw"  # the default optimizer: adamw, adam, sgd (unless you assign self.optimizer)
+        self.optim.lr = 1e-3  # learning rate
+        self.optim.weight_decay = 0.0  # weight decay
+        self.optim.betas = [0.9, 0.999]  # Adam betas
+        self.optim.eps = 1e-8  # Adam epsilon
+        self.optim.momentum = 0.9  # SGD momentum
+        self.sched.name = "none"  # the default schedule: none, constant, cosine, linear (with linear warmup)
+        self.sched.warmup_steps = 0  # linear warmup from 0 over this many steps
+        self.sched.min_lr_ratio = 0.0  # cosine / linear end at this fraction of optim.lr
+        self.sched.total_steps = None  # steps the schedule spans; None: the budget (pin it to extend a run later)
+        self.dataloader.batch_size = 32  # samples per rank per micro-batch
+        self.dataloader.shuffle = True  # shuffle the training split each epoch (evaluation never shuffles)
+        self.dataloader.num_workers = 0  # loader worker processes
+        self.dataloader.drop_last = False  # drop the training split's last, smaller batch
+        self.dataloader.pin_memory = False  # pin host memory for faster copies to the GPU
+        self.score.split = "val"  # the split whose metric is the score (best checkpoint, early stopping)
+        self.score.metric = "loss"  # the metric that is the score
+        self.score.mode = "min"  # min or max: which way is better
+        self.score.patience = 0  # stop after this many evaluations without improvement; 0: never
+        self.ema.enabled = False  # keep an exponential moving average of the weights (model-ema.pth)
+        self.ema.decay = 0.999  # EMA decay per optimizer step
+        self.compile.enabled = False  # torch.compile the model (checkpoints keep plain parameter names)
+        self.compile.backend = "inductor"  # torch.compile backend: inductor, aot_eager (CPU tests), eager, ...
+        self.compile.mode = None  # torch.compile mode: None, default, reduce-overhead, max-autotune, ...
+        self.perf.peak_flops = None  # peak FLOP/s of one device for MFU; None: from the GPU table (no MFU on CPU)
+        self.workspace.root = None  # where runs live; None: $PERDURE_ROOT, else ./runs
+        self.workspace.lineage = None  # group runs under this name; None: from the runner class name
+        self.workspace.id = None  # name the run directory yourself; None: <code_id>-<config_id>
+        self.workspace.code_id = None  # pin the code part of the run's name, to continue a run after a code change
+        self.workspace.tags = []  # free-form tags (perdure runs ls --tag)
+        self.log.interval = 50  # a train log line (loss, lr, throughput, memory, ETA) every N steps
+        self.log.progress = "auto"  # auto: a progress bar on a terminal, plain lines otherwise; bar; lines
+        self.tensorboard.enabled = False  # also log to TensorBoard (tensorboard/ in the run dir)
+        self.wandb.enabled = False  # also log to Weights & Biases
+        self.wandb.project = None  # W&B project
+        self.wandb.entity = None  # W&B entity (user or team)
+        self.wandb.mode = "online"  # W&B mode: online, offline, disabled
         self.resilience.exit_code = None  # exit status after a preemption; None: 128 + signal number
         self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
         self.dist.timeout = 600  # seconds a collective may wait before the run fails instead of hanging
@@ -168,7 +175,10 @@ class RunnerConfig(chanfig.Config):
     def from_plain(cls, data: Mapping[str, Any]) -> Self:
         """Build a config holding `data`'s values (a stored config): keys unknown to `cls` are added. Not checked."""
         config = cls()
-        for key, value in flatten(data).items():
+        flat = flatten(data)
+        if "eval_interval" in flat:  # stored by perdure before eval.interval existed
+            flat.setdefault("eval.interval", flat.pop("eval_interval"))
+        for key, value in flat.items():
             config.set(key, value)
         return config
 
@@ -216,14 +226,20 @@ class RunnerConfig(chanfig.Config):
         install_excepthook()
         try:
             files, overrides = config_text.split_argv(list(sys.argv[1:] if args is None else args))
-            if ("--help", config_text.BARE) in overrides:
-                print(self._usage())
-                raise SystemExit(0)
+            wants_help = ("--help", config_text.BARE) in overrides
+            overrides = [override for override in overrides if override[0] != "--help"]
+            sources: dict[str, str] = {}
             for file in files:
-                self._apply(self._file_layer(file))
+                layer = self._file_layer(file)
+                self._apply(layer)
+                sources.update(dict.fromkeys(layer, Path(file).name))
             cli_layer = self._cli_layer(overrides)
             self._apply(cli_layer)
             self.setattr(_CLI_KEYS_ATTR, self.command_line_keys() | frozenset(cli_layer))
+            if wants_help:
+                sources.update(dict.fromkeys(cli_layer, "command line"))
+                print(self.help_text(sources))
+                raise SystemExit(0)
             return self.check()
         except PerdureError as error:
             if not exit_on_error:
@@ -261,15 +277,15 @@ class RunnerConfig(chanfig.Config):
                 self.set(other, None)
 
     def _resolve_key(self, name: str, known: set[str], value: Any) -> str:
-        """The known dotted key `name` refers to, or a ConfigError with a suggestion."""
+        """The known dotted key `name` refers to, or a ConfigError with a suggestion (another trainer's name for a
+        key, the keys of a section given a value, or a key spelled alike)."""
         for key in (name, name.replace("-", "_")):
             if key in known or self._is_split_key(key, known):
                 return key
-        raise ConfigError(
-            name,
-            config_text.shown(value),
-            f"unknown key; {config_text.suggest(name, known | self._split_candidates(name))}",
-        )
+        hint = config_help.alias_hint(name, known) or config_help.section_hint(name, known)
+        if hint is None:
+            hint = config_text.suggest(name, known | self._split_candidates(name))
+        raise ConfigError(name, config_text.shown(value), f"unknown key; {hint}")
 
     def _is_split_key(self, key: str, known: set[str]) -> bool:
         """`dataloader.<split>.<option>`: a per-split override for any split name."""
@@ -295,12 +311,12 @@ class RunnerConfig(chanfig.Config):
             value = _lookup(self, "dataloader." + key.rsplit(".", 1)[-1])
         return None if value is _MISSING else value
 
-    def _usage(self) -> str:
+    def help_text(self, sources: Mapping[str, str] | None = None) -> str:
+        """What `--help` prints: every key, its value now and its help line (see `perdure.config_help`);
+        `sources` maps keys to what set them (a file name, "command line")."""
         program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "program"
-        return (
-            f"usage: {program} [--config FILE] [--key VALUE | --key=VALUE | --flag] ...\n\n"
-            f"keys and current values:\n{yaml.safe_dump(self.to_plain(), sort_keys=False)}"
-        )
+        helps = config_help.key_help(type(self))
+        return config_help.render_help(flatten(self.to_plain()), helps, sources or {}, program)
 
     # ------------------------------------------------------------------ validation
 
@@ -331,7 +347,13 @@ class RunnerConfig(chanfig.Config):
             _check_bool(key, get(key))
         for key in ("checkpoint", "pretrained"):
             _check_path(key, get(key))
-        _check_number("max_grad_norm", get("max_grad_norm"), "None or a number > 0", lambda x: x > 0, optional=True)
+        _check_number("max_grad_norm", get("max_grad_norm"), "a number >= 0 (0: no clipping)", lambda x: x >= 0, True)
+        _check_number("perf.peak_flops", get("perf.peak_flops"), "None or FLOP/s > 0", lambda x: x > 0, True)
+        backend = get("compile.backend")
+        if not isinstance(backend, str) or not backend:
+            raise ConfigError("compile.backend", backend, "use a torch.compile backend, e.g. inductor or aot_eager")
+        if get("eval_interval") is not None:
+            raise ConfigError("eval_interval", get("eval_interval"), "it is now eval.interval: --eval.interval N")
         _check_number("ema.decay", get("ema.decay"), "a number between 0 and 1 (exclusive)", lambda x: 0 < x < 1)
         _check_number("optim.lr", get("optim.lr"), "a number >= 0", lambda x: x >= 0)
         _check_number("optim.weight_decay", get("optim.weight_decay"), "a number >= 0", lambda x: x >= 0)

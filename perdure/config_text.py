@@ -45,14 +45,17 @@ def is_number(value: Any) -> bool:
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
-    """Split argv into `--config` files and `(key, text)` overrides; a bare option's text is `BARE`."""
+    """Split argv into `--config` files and `(key, text)` overrides; a bare option's text is `BARE`. `-h` / `--help`
+    is the override `("--help", BARE)`, wherever it stands, so that help can show the values the rest sets."""
     files: list[str] = []
     overrides: list[tuple[str, Any]] = []
     i = 0
     while i < len(argv):
         token = argv[i]
         if token in ("-h", "--help"):
-            return files, [("--help", BARE)]
+            overrides.append(("--help", BARE))
+            i += 1
+            continue
         if not token.startswith("--") or len(token) == 2:
             raise ConfigError("argv", token, "positional arguments are not accepted; write options as --key value")
         name, text = token[2:], BARE
@@ -157,7 +160,8 @@ def shown(value: Any) -> Any:
 
 
 def suggest(name: str, known: set[str]) -> str:
-    """`did you mean 'x'?`, or a list of keys near `name`."""
+    """`did you mean 'x'?` when a key is spelled alike (or has the same option name in another section), else the
+    keys of the section `name` names, or the top-level keys: never a guess that only shares a few letters."""
     leaf = name.rsplit(".", 1)[-1]
 
     def similar(a: str, b: str, cutoff: float) -> bool:
@@ -166,9 +170,6 @@ def suggest(name: str, known: set[str]) -> str:
     close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
     if not close:  # same option name in another section: `--lr` -> `optim.lr`
         close = [key for key in sorted(known) if similar(leaf, key.rsplit(".", 1)[-1], 0.75)]
-    if not close:  # a looser whole-key match, as long as the option names look alike
-        loose = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-        close = [key for key in loose if similar(leaf, key.rsplit(".", 1)[-1], 0.5)]
     if len(close) == 1:
         return f"did you mean '{close[0]}'?"
     if close:

@@ -50,7 +50,7 @@ def test_defaults():
         "backend": "auto",
         "interval": None,
         "interval_steps": None,
-        "keep_latest_k": 0,
+        "keep_latest_k": 3,
         "save_best": True,
         "export_dtype": None,
         "async_mode": "disabled",
@@ -134,8 +134,8 @@ def test_bare_resume_followed_by_option():
 
 
 def test_none_valued_keys_are_typed_by_yaml():
-    config = parse("--max_grad_norm", "1e-1", "--eval_interval", "5", "--ckpt.interval", "10")
-    assert config.max_grad_norm == 0.1 and config.eval_interval == 5 and config.ckpt.interval == 10
+    config = parse("--max_grad_norm", "1e-1", "--eval.interval", "5", "--ckpt.interval", "10")
+    assert config.max_grad_norm == 0.1 and config.eval.interval == 5 and config.ckpt.interval == 10
     assert parse("--max_grad_norm", "2").max_grad_norm == 2
     config = parse("--ckpt.interval", "10")
     assert parse("--ckpt.interval", "none", config=config).ckpt.interval is None
@@ -206,7 +206,7 @@ def test_help_prints_keys_and_exits_zero(capsys):
     with pytest.raises(SystemExit) as info:
         parse("--help")
     assert info.value.code == 0
-    assert "optim:" in capsys.readouterr().out
+    assert "optim.lr" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------- unknown keys
@@ -296,8 +296,13 @@ def test_split_override_rejects_unknown_option():
         (["--epochs", "2.5"], "epochs"),
         (["--accum_steps", "0"], "accum_steps"),
         (["--accum_steps", "1.5"], "accum_steps"),
-        (["--eval_interval", "0"], "eval_interval"),
-        (["--eval_interval", "2.0"], "eval_interval"),
+        (["--eval.interval", "0"], "eval.interval"),
+        (["--eval.interval", "2.0"], "eval.interval"),
+        (["--eval.steps", "0"], "eval.steps"),
+        (["--compile.enabled", "maybe"], "compile.enabled"),
+        (["--compile.mode", "fast"], "compile.mode"),
+        (["--compile.backend", ""], "compile.backend"),
+        (["--perf.peak_flops", "0"], "perf.peak_flops"),
         (["--ckpt.interval", "0"], "ckpt.interval"),
         (["--ckpt.interval_steps", "-1"], "ckpt.interval_steps"),
         (["--ckpt.keep_latest_k", "-1"], "ckpt.keep_latest_k"),
@@ -319,7 +324,6 @@ def test_split_override_rejects_unknown_option():
         (["--checkpoint", "/no/such/checkpoint"], "checkpoint"),
         (["--pretrained", "/no/such/weights.pth"], "pretrained"),
         (["--resume", "maybe"], "resume"),
-        (["--max_grad_norm", "0"], "max_grad_norm"),
         (["--max_grad_norm", "-1"], "max_grad_norm"),
         (["--ema.decay", "1"], "ema.decay"),
         (["--ema.decay", "0"], "ema.decay"),

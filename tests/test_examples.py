@@ -1,20 +1,27 @@
 """The examples run as a user runs them: `examples/mlp.py` trains, resumes and extends; `examples/demo.py` shows a
-SIGKILLed run resuming to bit-identical weights; `examples/ft_local.py` kills a TorchFT replica group and heals it."""
+SIGKILLed run resuming to bit-identical weights; `examples/nanogpt_char.py` (compiled) and `examples/stream_tokens.py`
+(an IterableDataset) resume bit for bit after a SIGKILL; every preset in `configs/` loads into its example;
+`examples/ft_local.py` kills a TorchFT replica group and heals it."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from perdure.loggers.metrics_csv import read_metrics_csv
 from tests.runs import skip_unless_ranks_fit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -75,3 +82,108 @@ def test_ft_local_kills_a_replica_group_and_heals_it(tmp_path):
     assert healed and int(healed[1]) < int(healed[2]), result.stdout
     assert "exit codes: {0: 0, 1: 0}" in result.stdout
     assert "replica groups (TorchFT)" in result.stdout and "completed" in result.stdout
+
+
+# ---------------------------------------------------------------------- nanogpt_char: a real model, compiled
+
+GPT_ARGS = ("--config", str(CONFIGS / "nanogpt_char-tiny.yaml"), "--steps", "40", "--ckpt.interval", "20")
+GPT_ARGS += ("--eval.interval", "20", "--sample.length", "0", "--sched.total_steps", "40")  # a schedule of its own:
+# the killed run is given a larger budget (so that it cannot finish before the kill) without changing its curve
+THROUGHPUT_COLUMNS = ("step_time", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_mib", "eta")
+
+
+def start(script: str, *args: str) -> subprocess.Popen:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PERDURE_", "MLP_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    command = [sys.executable, str(EXAMPLES / script), *args]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_after(process: subprocess.Popen, root: Path, pattern: str, timeout: float = 240) -> None:
+    """SIGKILL `process` as soon as `root/<pattern>` exists (a committed checkpoint): a kill at an arbitrary step."""
+    deadline = time.monotonic() + timeout
+    while not list(root.glob(pattern)):
+        assert process.poll() is None, f"ended before {pattern} appeared:\n{process.stdout.read()}"
+        assert time.monotonic() < deadline, f"{pattern} never appeared"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL, output
+
+
+def one_run_dir(root: Path) -> Path:
+    (found,) = [path.parent for path in root.glob("*/*/checkpoints")]
+    return found
+
+
+def losses(run: Path) -> dict[tuple[int, str], float]:
+    rows = read_metrics_csv(run / "metrics.csv")
+    return {(step, split): value for step, split, name, value in rows if name == "loss"}
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt-reference")
+    run("nanogpt_char.py", "--workspace.root", str(root), *GPT_ARGS)
+    return one_run_dir(root)
+
+
+def test_nanogpt_char_logs_throughput_to_its_log_file(gpt_reference):
+    (log,) = (gpt_reference / "logs").glob("*.log")  # written by a process whose output was a pipe, not a terminal
+    lines = [line for line in log.read_text().splitlines() if " train: " in line]
+    assert len(lines) == 4  # a line every 10 steps
+    for line in lines:
+        assert all(f" {column} " in line for column in THROUGHPUT_COLUMNS), line
+    assert " val: loss " in log.read_text()
+    assert set(torch.load(gpt_reference / "model.pth", weights_only=True)) >= {"tok_emb.weight", "head.weight"}
+
+
+def test_nanogpt_char_compiled_killed_and_resumed_bit_for_bit(gpt_reference, tmp_path):
+    # killed at whatever step it reached after its step-20 checkpoint
+    kill_after(start("nanogpt_char.py", "--workspace.root", str(tmp_path), *GPT_ARGS, "--steps", "400"), tmp_path,
+               "*/*/checkpoints/ckpt-s000000000020/manifest.json")  # fmt: skip
+    resumed = run("nanogpt_char.py", "--workspace.root", str(tmp_path), *GPT_ARGS)
+    assert "resuming from" in resumed.stdout and "ckpt-s000000000020" in resumed.stdout
+    run_path = one_run_dir(tmp_path)
+    assert losses(run_path) == losses(gpt_reference)  # every train and val loss, bit for bit
+    reference = torch.load(gpt_reference / "model.pth", weights_only=True)
+    final = torch.load(run_path / "model.pth", weights_only=True)
+    assert reference.keys() == final.keys() and all(torch.equal(reference[k], final[k]) for k in reference)
+
+
+# ---------------------------------------------------------------------- stream_tokens: an IterableDataset's position
+
+STREAM_ARGS = ("--steps", "40", "--ckpt.interval", "10", "--data.block_size", "256", "--log.interval", "10")
+
+
+def test_stream_tokens_resumes_its_stream_where_it_was(tmp_path):
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    tokens = ("--data.tokens", str(tmp_path / "tokens.u16"))
+    run("stream_tokens.py", "--workspace.root", str(reference), *tokens, *STREAM_ARGS)
+    kill_after(start("stream_tokens.py", "--workspace.root", str(interrupted), *tokens, *STREAM_ARGS, "--steps",
+                     "400"), interrupted, "*/*/checkpoints/ckpt-s000000000020/manifest.json")  # fmt: skip
+    resumed = run("stream_tokens.py", "--workspace.root", str(interrupted), *tokens, *STREAM_ARGS)
+    assert "resuming from" in resumed.stdout and "restarts its stream" not in resumed.stdout
+    run_path = one_run_dir(interrupted)
+    position = torch.load(run_path / "checkpoints" / "ckpt-s000000000020" / "rank00000.pth", weights_only=True)
+    assert position["data"]["train"]["loader"]["dataset_state"] == {"window": 20 * 32, "passes": 0}
+    assert losses(run_path) == losses(one_run_dir(reference))  # across the end of a pass (28 steps each)
+    expected = torch.load(one_run_dir(reference) / "model.pth", weights_only=True)
+    final = torch.load(run_path / "model.pth", weights_only=True)
+    assert all(torch.equal(expected[key], final[key]) for key in expected)
+
+
+# ---------------------------------------------------------------------- configs/: every preset loads
+
+
+def test_every_preset_in_configs_loads_into_its_example():
+    presets = sorted(CONFIGS.glob("*.yaml"))
+    assert {path.name for path in presets} >= {"nanogpt_char.yaml", "nanogpt_char-tiny.yaml", "mlp.yaml",
+                                                "mlp-tiny.yaml"}  # fmt: skip
+    for preset in presets:
+        example = preset.stem.removesuffix("-tiny")
+        spec = importlib.util.spec_from_file_location(f"example_{example}", EXAMPLES / f"{example}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        config = module.Config().parse(["--config", str(preset)], exit_on_error=False)  # an unknown key raises
+        assert config.from_command_line("steps") is False and config.steps is not None

@@ -242,3 +242,18 @@ def test_git_state(repo: Path):
     assert state["dirty"] is True and "print('x')" in state["diff"] and state["code_id"] == code_id(repo)
     git(repo, "checkout", "-q", "--detach")
     assert git_state(repo)["branch"] is None
+
+
+def test_config_ids_of_runs_made_before_eval_and_compile_keys_existed_are_unchanged():
+    """perdure 2e9e51a (before eval.*, compile.* and perf.* existed) gave examples/mlp.py's config these ids; a run
+    it made must keep its directory after an upgrade (a requeued job, a pinned workspace.code_id)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mlp_example", Path(__file__).parent.parent / "examples" / "mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert config_id(module.Config().parse([], exit_on_error=False)) == "ff00af502d42"
+    assert config_id(module.Config().parse(["--eval.interval", "20"], exit_on_error=False)) == "12d4ebd66a3a"
+    assert config_id(module.Config().parse(["--compile.enabled"], exit_on_error=False)) == "ff00af502d42"
+    with_steps = module.Config().parse(["--eval.steps", "5"], exit_on_error=False)
+    assert config_id(with_steps) != "ff00af502d42" and canonical_config(with_steps)["eval"]["steps"] == 5

@@ -65,3 +65,13 @@ def test_early_stopping_patience_survives_a_resume(tmp_path):
     resumed = final_state(interrupted)
     assert resumed["early_stopped"] and resumed["global_step"] == stop_step
     assert resumed["results"] == expected["results"]
+
+
+def test_by_default_the_three_newest_checkpoints_and_best_are_kept(tmp_path):
+    from tests.scripts.resumable import ResumableRunner, make_config
+
+    runner = ResumableRunner(make_config(tmp_path, steps=16, **{"ckpt.interval": 2, "eval.interval": 2}))
+    assert runner.config.ckpt.keep_latest_k == 3  # the documented default (docs/checkpoints.md#retention)
+    runner.train()
+    assert committed(tmp_path) == sorted({step_name(12), step_name(14), step_name(16), pointer(tmp_path, "best")})
+    assert pointer(tmp_path, "latest") == step_name(16)

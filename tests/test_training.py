@@ -54,12 +54,13 @@ def test_accumulation_counts_optimizer_steps(tmp_path):
     assert runner.state.epoch == 1 and runner.state.samples_in_epoch == 64
 
 
-def test_evaluation_is_bounded_in_step_mode(tmp_path):
+def test_evaluation_reads_eval_steps_batches(tmp_path):
     runner = ResumableRunner(make_config(tmp_path, steps=40))
-    assert runner.default_eval_steps() == 2
-    full = runner.evaluate_steps("val")
-    bounded = runner.evaluate(["val"])["val"]
-    assert full["loss"] != bounded["loss"]
+    assert runner.eval_batches("val") is None  # default: the whole split, whatever the budget
+    full = runner.evaluate(["val"])["val"]
+    assert full == runner.evaluate_steps("val")
+    bounded = ResumableRunner(make_config(tmp_path / "bounded", steps=40, **{"eval.steps": 2})).evaluate(["val"])
+    assert bounded["val"]["loss"] != full["loss"]
     assert runner.infer("val").shape == (40, 2)
 
 

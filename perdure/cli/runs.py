@@ -16,6 +16,7 @@ from typing import Any
 
 from perdure.config import flatten
 from perdure.safe_io import echo, escape_terminal
+from perdure.wording import counted
 from perdure.workspace.registry import Registry, RegistryError, RunRecord
 from perdure.workspace.sidecar import SIDECAR_NAME, STALE, STATUSES, parse_stamp, read_sidecar
 
@@ -113,6 +114,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("tags", ", ".join(record.tags)),
         ("step", _num(record.step)),
         ("epoch", _num(record.epoch)),
+        ("budget", _budget(data["attempts"])),
         ("created", _when(record.created)),
         ("updated", _when(record.updated)),
         ("latest ckpt", record.latest_checkpoint),
@@ -227,6 +229,17 @@ def _replica_rows(ft: Any) -> list[list[str]]:
              _num(record.get("steps_uncommitted")), str(len(changes)), quorum, healed]
         )  # fmt: skip
     return rows
+
+
+def _budget(attempts: Sequence[dict[str, Any]]) -> str | None:
+    """The budget the newest attempt that recorded one ran with: `300 steps`, `1 epoch`."""
+    for attempt in reversed(attempts):
+        budget = attempt.get("budget")
+        if isinstance(budget, dict) and len(budget) == 1:
+            ((unit, size),) = budget.items()
+            if unit in ("steps", "epochs") and isinstance(size, int) and not isinstance(size, bool):
+                return counted(size, unit[:-1])
+    return None
 
 
 def _attempts_table(attempts: Sequence[dict[str, Any]]) -> str:

@@ -11,7 +11,10 @@ from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from perdure.data.batch import batch_length
-from perdure.data.sampler import ResumableSampler
+from perdure.data.iterable import as_dataset, is_stateful
+from perdure.data.sampler import PERMUTATIONS, ResumableSampler
+from perdure.errors import CheckpointError
+from perdure.safe_io import safe_name
 
 # torchdata 0.11 calls a deprecated torch API each time an iterator is created; it is not the user's concern.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -24,7 +27,9 @@ class ResumableLoader:
     and the position is a global sample offset, so resuming needs no fast-forward and does not depend on how the
     loader's own generator was advanced (torchdata 0.11 restores that generator one draw behind with
     `num_workers=0`). The loader's generator, which seeds the workers, is re-seeded from (seed, epoch) before each
-    epoch for the same reason. Iterable datasets keep their position in the StatefulDataLoader's own state.
+    epoch for the same reason. Iterable datasets with state keep their position in the StatefulDataLoader's own state
+    (which holds the dataset's `state_dict`); one without state restarts (`perdure.data.iterable`). A torchdata.nodes
+    pipeline is read as a `NodeDataset`.
     """
 
     def __init__(
@@ -42,6 +47,7 @@ class ResumableLoader:
         collate_fn: Callable | None = None,
         pad: bool = True,
     ) -> None:
+        dataset = as_dataset(dataset)
         self.dataset = dataset
         self.batch_size = batch_size
         self.world_size = world_size
@@ -88,11 +94,12 @@ class ResumableLoader:
         """Samples one batch of this rank stands for across all ranks (every rank reads batches of equal size)."""
         return batch_length(batch) * self.world_size
 
-    def iter_epoch(self, epoch: int, samples_done: int = 0) -> Iterator[Any]:
-        """An iterator over epoch `epoch` that skips the `samples_done` samples all ranks together consumed."""
+    def iter_epoch(self, epoch: int, samples_done: int = 0, limit: int | None = None) -> Iterator[Any]:
+        """An iterator over epoch `epoch` that skips the `samples_done` samples all ranks together consumed and, with
+        `limit`, ends after the epoch's first `limit` samples (all ranks together; map-style datasets)."""
         self.generator.manual_seed(self.seed * 1_000_003 + epoch)
         if self.sampler is not None:
-            self.sampler.set_epoch(epoch, samples_done)
+            self.sampler.set_epoch(epoch, samples_done, limit)
         elif self._iterable_state is not None:
             self.loader.load_state_dict(self._iterable_state)
             self._iterable_state = None
@@ -101,13 +108,25 @@ class ResumableLoader:
     def position(self, epoch: int, samples_done: int) -> dict[str, Any]:
         """The rank-local data position to checkpoint, for an epoch and the samples of it all ranks consumed."""
         state: dict[str, Any] = {"epoch": epoch, "offset": samples_done, "world_size": self.world_size}
-        if self.is_iterable:
+        if self.sampler is not None:
+            state["permutation"] = self.sampler.permutation
+        elif is_stateful(self.dataset):
             state["loader"] = self.loader.state_dict()
         return state
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Take back a position saved by `position` (the runner passes epoch and batches itself)."""
-        if self.is_iterable and "loader" in state:
+        """Take back a position saved by `position` (the runner passes epoch and batches itself). A position without
+        a permutation was saved before perdure had more than one: its order was `torch.randperm`'s."""
+        if self.sampler is not None:
+            permutation = state.get("permutation", "randperm")
+            if permutation not in PERMUTATIONS:
+                wanted = ", ".join(PERMUTATIONS)
+                raise CheckpointError(
+                    f"the data position names permutation {safe_name(permutation)}, not one of {wanted}: the "
+                    "checkpoint is not one perdure wrote"
+                )
+            self.sampler.permutation = permutation
+        elif is_stateful(self.dataset) and "loader" in state:
             self._iterable_state = state["loader"]
 
     def __len__(self) -> int:

@@ -32,9 +32,10 @@ class MetricLogger(ABC):
     """A destination for metrics.
 
     The runner, on the main process only: `open()` once after the restore, `log_metrics()` / `log_image()` as events
-    happen, `flush()` at every log interval and `flush(durable=True)` before each checkpoint commits, `close()` at the
-    end. `open` receives the step of the restored checkpoint (0 for a fresh start): a logger that keeps files drops
-    what an earlier attempt logged after that step, since the resumed run logs those steps again.
+    happen, `flush()` at every log interval and before each checkpoint is written, `flush(durable=True)` once it has
+    committed, `close()` at the end. `open` receives the step of the restored checkpoint (0 for a fresh start): a
+    logger that keeps files drops what an earlier attempt logged after that step, since the resumed run logs those
+    steps again.
     """
 
     def open(self, run_dir: Path, *, resumed_step: int, state: RunnerState, config: RunnerConfig) -> None:

@@ -25,8 +25,9 @@ class MetricsCSV(MetricLogger):
 
     After a kill and a resume the file holds each step exactly once: `open` drops the rows an earlier attempt wrote
     after the restored checkpoint's step (the resumed run logs those steps again) and keeps every row up to it. Rows
-    reach the OS at every `flush()` (a kill then loses nothing flushed) and the disk at `flush(durable=True)`, which
-    the runner calls before each checkpoint commits, so a checkpoint never vouches for rows a power loss could take.
+    reach the OS at every `flush()` (a kill then loses nothing flushed; the runner flushes at log lines and before
+    each checkpoint is written) and the disk at `flush(durable=True)`, which the runner calls once a checkpoint has
+    committed.
     Values are written with `repr`, so they read back as the exact floats logged.
     """
 

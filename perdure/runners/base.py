@@ -22,7 +22,6 @@ import logging
 import math
 import multiprocessing
 import signal
-import time
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -35,6 +34,7 @@ from perdure.checkpoints.async_save import WRITER_PROCESS_NAME
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy, Stateful
 from perdure.checkpoints.select import manager_class as select_manager_class
 from perdure.config import RunnerConfig
+from perdure.data.iterable import warn_if_unresumable
 from perdure.data.loader import ResumableLoader
 from perdure.distributed.collectives import max_over_ranks
 from perdure.errors import PerdureError
@@ -48,15 +48,18 @@ from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.attempt import AttemptMixin
 from perdure.runners.cadence import Cadence
 from perdure.runners.checkpointing import CheckpointingMixin, building_for_inspection
+from perdure.runners.compile import uncompiled
 from perdure.runners.determinism import configure_determinism
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.evaluation import EvaluationMixin
 from perdure.runners.export import read_weights
 from perdure.runners.losses import mean_loss
 from perdure.runners.optim import build_optimizer, build_scheduler
+from perdure.runners.peak_flops import device_peak_flops
 from perdure.runners.rng import derived_seed, seed_everything
 from perdure.runners.state import RunnerState
 from perdure.runners.telemetry import RunTelemetry
+from perdure.runners.throughput import ThroughputMeter, model_device
 
 NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
 
@@ -139,8 +142,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         self._saved_position: tuple[int, int, int] | None = None
         self._topology_change: dict[str, Any] | None = None  # set by a restore on another world size
         self._losses: list[torch.Tensor] = []
-        self._clock = time.perf_counter()
-        self._clock_step = 0
+        self.meter = ThroughputMeter(self.world_size)  # the speed, memory and ETA columns of train log lines
 
     def _checkpoint_manager(self, token: str = "") -> CheckpointManager:
         """This run's checkpoint manager; `token` (the attempt's timestamp, equal on all ranks) names staging dirs.
@@ -174,7 +176,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
             total = self.config.sched.total_steps or self.total_steps_hint()
             self.scheduler = build_scheduler(self.optimizer, self.config.sched, total)
         if self.config.ema.enabled and self.ema is None:
-            self.ema = ExponentialMovingAverage(self.model, self.config.ema.decay)
+            self.ema = ExponentialMovingAverage(self.unwrap_model(), self.config.ema.decay)
         self.build_dataloaders()
         self.restore(self.restore_source)
         self._losses = list(self.state.pending_losses)
@@ -201,8 +203,9 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         """Called last in `__post_init__`, after the restore: wrap the model for distributed training (DDP, ...)."""
 
     def unwrap_model(self) -> nn.Module:
-        """The user's module without any wrapper: what checkpoints and exports hold."""
-        return self.model
+        """The user's module without any wrapper (a `torch.compile` wrapper included): what checkpoints and exports
+        hold."""
+        return uncompiled(self.model)
 
     @abstractmethod
     def autocast(self) -> AbstractContextManager:
@@ -300,6 +303,22 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         """Move tensors (also inside lists, tuples and dicts) to the runner's device."""
         return data
 
+    def batch_tokens(self, batch: Any) -> int:
+        """Tokens in one micro-batch of this rank, for the `tokens_per_s` (and `mfu`) log columns.
+
+        Called once per micro-batch when a runner overrides it (not overridden: no token columns). Count from shapes
+        (e.g. `batch[0].numel()`): it runs in the training loop, so it must not move data or read a tensor's values
+        (no `.item()`, no device sync) and must not change any state.
+        """
+        raise NotImplementedError
+
+    def flops_per_token(self) -> float | None:
+        """FLOPs of one training step (forward and backward) per token, for the `mfu` log column; None (the
+        default): no MFU. E.g. `6 * n_params + 12 * n_layer * n_head * head_dim * seq_len` for a decoder-only
+        transformer. Called once when the training loop starts; MFU also needs the device's peak (`perf.peak_flops`,
+        else a table of common GPUs)."""
+        return None
+
     # ---- the training lifecycle --------------------------------------------------------------------------------
 
     def train(self) -> dict[str, dict[str, dict[str, float]]]:
@@ -379,7 +398,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         self.optimizer.zero_grad(set_to_none=True)
         self.checkpoints.start()
         self.telemetry.begin_training(self.config.steps if self.config.training_mode() == "steps" else None)
-        self._clock, self._clock_step = time.perf_counter(), self.state.global_step
+        self._start_meter(loader)
         self._budget_done = done
         # Installed until the last save is drained: a second SIGINT during a forced save still exits at once.
         self.preemption.install()
@@ -433,7 +452,9 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         if not self.commit_step():
             self.optimizer.zero_grad(set_to_none=True)
             return False
-        self.state.samples_in_epoch += sum(loader.global_samples(batch) for batch in window)
+        samples = sum(loader.global_samples(batch) for batch in window)
+        self.state.samples_in_epoch += samples
+        self.meter.add(samples, window)
         stepped = self.optimizer_step()
         if not stepped:
             self.state.skipped_steps += 1
@@ -541,12 +562,27 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
             return
         loss = mean_loss(self._losses)  # floats carried over a resume, then this run's tensors
         self._losses.clear()
-        now = time.perf_counter()
-        steps_per_second = (self.state.global_step - self._clock_step) / max(now - self._clock, 1e-9)
-        self._clock, self._clock_step = now, self.state.global_step
-        metrics = {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "steps_per_s": steps_per_second}
+        metrics = {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
+        metrics.update(self.meter.metrics(self.state.global_step))
         self.log_metrics("train", metrics)
         self.telemetry.flush()
+
+    def _start_meter(self, loader: ResumableLoader) -> None:
+        """The loop starts: what the log lines' throughput columns need (token counting, FLOPs, peak, budget)."""
+        if self.config.training_mode() == "steps":
+            total: int | None = self.config.steps
+        else:
+            total = self.total_steps_hint() if loader.samples_per_epoch() is not None else None
+        device = model_device(self.unwrap_model())
+        counts_tokens = type(self).batch_tokens is not BaseRunner.batch_tokens
+        self.meter.start(
+            self.state.global_step,
+            total_steps=total,
+            device=device,
+            count_tokens=self.batch_tokens if counts_tokens else None,
+            flops_per_token=self.flops_per_token(),
+            peak_flops=device_peak_flops(device, self.config.precision, self.config.perf.peak_flops),
+        )
 
     def log_metrics(self, split: str, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Report metrics of `split` at `step` (default: the current global step) to the console, the log file,
@@ -582,6 +618,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
                 world_size=world_size,
                 pad=split == "train",  # evaluation shares are uneven rather than padded with repeats
             )
+            warn_if_unresumable(split, dataset)
 
     def total_steps_hint(self) -> int:
         """The step budget a scheduler should span (epoch mode: epochs times optimizer steps per epoch)."""

@@ -28,8 +28,9 @@ class Cadence:
         return cls(
             by_epoch=by_epoch,
             log_every=config.log.interval,
-            # step mode: evaluate where checkpoints are taken unless told otherwise, so `best` can point at one
-            eval_every=config.eval_interval or (1 if by_epoch else save_every),
+            # step mode: evaluate where checkpoints are taken unless told otherwise (a best found between two saves
+            # is saved too, see `_evaluate_and_save`); epoch mode: after every epoch
+            eval_every=config.eval.interval or (1 if by_epoch else save_every),
             save_every=save_every,
             save_every_steps=config.ckpt.interval_steps if by_epoch else None,
             save_best=bool(config.ckpt.save_best),

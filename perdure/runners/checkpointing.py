@@ -18,10 +18,12 @@ from perdure.checkpoints.source import RestoreSource
 from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError
 from perdure.loggers.console import get_logger
+from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
 from perdure.runners.export import export_weights, read_weights
 from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
 from perdure.safe_io import read_yaml
+from perdure.wording import counted
 from perdure.workspace.identity import canonical_config, config_diff
 from perdure.workspace.run_dir import resolve_run_dir
 
@@ -70,6 +72,7 @@ class CheckpointingMixin:
         is_best = self.state.best_step == self.state.global_step
         self.state.pending_losses = losses_as_floats(self._losses)  # plain numbers: one device sync per save
         started = time.perf_counter()
+        self.telemetry.before_checkpoint()
         try:
             path = self.checkpoints.save(
                 name,
@@ -87,6 +90,7 @@ class CheckpointingMixin:
             self._save_failed(name, reason, str(error))
             return None
         self._saved_position = position
+        self.meter.exclude(time.perf_counter() - started)  # not training time: kept out of step_time
         if path is not None:
             seconds = time.perf_counter() - started
             if self.config.ckpt.async_mode == "disabled":
@@ -145,10 +149,10 @@ class CheckpointingMixin:
                 seed = derived_seed(self.config.seed, self.rank, self.state.global_step)
                 seed_everything(seed)
                 self.logger.warning(
-                    "%s was written by %s ranks and holds no state for rank %d: its RNGs are seeded from (seed, rank, "
+                    "%s was written by %s and holds no state for rank %d: its RNGs are seeded from (seed, rank, "
                     "step) = %d instead; its data position comes from the replicated state",
                     source.info.name,
-                    source.info.manifest.get("world_size"),
+                    counted(source.info.manifest.get("world_size"), "rank"),
                     self.rank,
                     seed,
                 )
@@ -169,13 +173,12 @@ class CheckpointingMixin:
             "global_batch": [per_rank * before, per_rank * self.world_size],
         }
         self.logger.warning(
-            "TOPOLOGY CHANGE: %s was written by %d rank%s, this attempt runs on %d: the global batch changes from %d "
+            "TOPOLOGY CHANGE: %s was written by %s, this attempt runs on %s: the global batch changes from %d "
             "to %d samples per optimizer step (%d per rank x %d accumulation x ranks); the data position continues "
             "from the same sample",
             info.name,
-            before,
-            "" if before == 1 else "s",
-            self.world_size,
+            counted(before, "rank"),
+            counted(self.world_size, "rank"),
             per_rank * before,
             per_rank * self.world_size,
             self.config.loader_options("train")["batch_size"],
@@ -200,7 +203,7 @@ class CheckpointingMixin:
     def export_model(self) -> Path:
         """Write `model.pth` (and `model-ema.pth` with EMA) into the run dir, cast to `ckpt.export_dtype`."""
         dtype = self.config.ckpt.export_dtype
-        path = export_weights(self.unwrap_model().state_dict(), self.run_dir.path / "model.pth", dtype)
+        path = export_weights(plain_state_dict(self.unwrap_model()), self.run_dir.path / "model.pth", dtype)
         if self.ema is not None:
             export_weights(self.ema.weights(), self.run_dir.path / "model-ema.pth", dtype)
         return path
@@ -259,8 +262,12 @@ MISMATCHES_SHOWN = 5
 
 def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: Path) -> None:
     """`model.load_state_dict(weights)`, refusing with a CheckpointError that names the missing, unexpected and
-    mis-shaped keys (the first few of each, and how many) instead of torch's long traceback."""
-    expected = model.state_dict()
+    mis-shaped keys (the first few of each, and how many) instead of torch's long traceback. Names are matched
+    without `torch.compile`'s `_orig_mod.`, so weights load into a compiled or an uncompiled model alike."""
+    model = uncompiled(model)
+    names = {plain_name(key): key for key in model.state_dict()}
+    expected = plain_state_dict(model)
+    weights = strip_compile_prefix(weights)
     missing = [key for key in expected if key not in weights]
     unexpected = [key for key in weights if key not in expected]
     shapes = [
@@ -278,7 +285,7 @@ def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tenso
             f"the weights in {source} do not fit {type(model).__name__}: {'; '.join(problems)}. Give weights of the "
             "same architecture (a checkpoint or model.pth of this model)"
         )
-    model.load_state_dict(weights)
+    model.load_state_dict({names[key]: value for key, value in weights.items()})
 
 
 def read_stored_config(checkpoint: Path) -> dict[str, Any]:

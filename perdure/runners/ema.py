@@ -7,12 +7,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from perdure.runners.compile import plain_state_dict
+
 
 class ExponentialMovingAverage:
     """Keeps `shadow = decay * shadow + (1 - decay) * current` for every floating-point tensor of a module.
 
     Integer buffers (e.g. BatchNorm's `num_batches_tracked`) are copied, not averaged. The shadow lives on the
-    model's device and is saved and restored with the checkpoint.
+    model's device and is saved and restored with the checkpoint. Its names are the plain ones, also for a model
+    compiled with `torch.compile` (`perdure.runners.compile.plain_state_dict`).
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
@@ -20,12 +23,12 @@ class ExponentialMovingAverage:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.shadow: dict[str, torch.Tensor] = {
-            name: tensor.detach().clone() for name, tensor in model.state_dict(keep_vars=False).items()
+            name: tensor.detach().clone() for name, tensor in plain_state_dict(model).items()
         }
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        current = model.state_dict()
+        current = plain_state_dict(model)
         averaged, targets = [], []
         for name, shadow in self.shadow.items():
             value = current[name].detach()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Mapping
 
 import torch
@@ -18,24 +20,38 @@ class EvaluationMixin:
         return [split for split in self.dataloaders if split != "train"]
 
     def evaluate(self, splits: list[str] | None = None) -> dict[str, dict[str, float]]:
-        """Evaluate each split (default: every split but train); bounded in step mode, whole splits in epoch mode."""
-        steps = None if self.config.training_mode() == "epochs" else self.default_eval_steps()
-        return {split: self.evaluate_steps(split, steps) for split in (splits or self._eval_splits())}
+        """Evaluate each split (default: every split but train) on its first `eval_batches(split)` batches."""
+        splits = splits or self._eval_splits()
+        return {split: self.evaluate_steps(split, self.eval_batches(split)) for split in splits}
 
-    def default_eval_steps(self) -> int:
-        return max((self.config.steps or 0) // 20, 1)
+    def eval_batches(self, split: str) -> int | None:
+        """Override point: how many batches of `split` (from its start, in order) each evaluation reads; None: all.
+
+        Default: `eval.steps`; batches of the split's batch size, counted for all ranks together on a map-style split
+        (see `evaluate_steps`). Called at every evaluation. Must return the same number at every evaluation of a run,
+        whatever its budget, so that every evaluation (and the best score) measures the same samples.
+        """
+        return self.config.eval.steps
 
     def evaluate_steps(self, split: str, steps: int | None = None) -> dict[str, float]:
-        """Average `evaluate_step` over at most `steps` batches of `split` (all of them when None)."""
+        """Average `evaluate_step` over the first `steps` batches of `split` (all of them when None).
+
+        For a map-style split the batches are counted for all ranks together: the first `steps x batch_size`
+        samples, each rank reading its share, so the samples evaluated do not depend on the number of ranks. An
+        iterable split reads `steps` batches on each rank.
+        """
         model = self.model
         was_training = model.training
         model.eval()
         totals: dict[str, float] = {}
         count = 0
+        loader = self.dataloaders[split]
+        limit = None if steps is None else steps * loader.batch_size
+        batches = loader.iter_epoch(0, limit=limit)
+        if loader.is_iterable and steps is not None:
+            batches = itertools.islice(batches, steps)
         with torch.inference_mode():
-            for index, batch in enumerate(self.dataloaders[split].iter_epoch(0)):
-                if steps is not None and index >= steps:
-                    break
+            for batch in batches:
                 with self.autocast():
                     metrics = self.evaluate_step(batch)
                 weight = batch_length(batch)
@@ -66,7 +82,9 @@ class EvaluationMixin:
         return torch.cat(outputs)
 
     def _evaluate_and_score(self) -> None:
+        started = time.perf_counter()
         results = self.evaluate()
+        self.meter.exclude(time.perf_counter() - started)  # not training time: kept out of step_time
         self.state.results[str(self.state.global_step)] = results
         for split, metrics in results.items():
             self.log_metrics(split, metrics)

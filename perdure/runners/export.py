@@ -13,6 +13,7 @@ from perdure.checkpoints.file import REPLICATED_FILE
 from perdure.checkpoints.resolve import resolve_path
 from perdure.checkpoints.safe_unpickle import load_torch_file
 from perdure.errors import CheckpointError, ConfigError
+from perdure.runners.compile import strip_compile_prefix
 from perdure.safe_io import UnsafeFileError
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,7 +26,7 @@ def export_weights(state_dict: dict[str, torch.Tensor], path: Path, dtype: str |
     target = EXPORT_DTYPES.get(dtype) if dtype else None
     weights = {
         name: (tensor.detach().to("cpu", target) if target and tensor.is_floating_point() else tensor.detach().cpu())
-        for name, tensor in state_dict.items()
+        for name, tensor in strip_compile_prefix(state_dict).items()
     }
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temporary.unlink(missing_ok=True)
@@ -36,7 +37,12 @@ def export_weights(state_dict: dict[str, torch.Tensor], path: Path, dtype: str |
 
 
 def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
-    """Weights from an exported file (`model.pth`) or from a checkpoint / checkpoints / run directory or pointer."""
+    """Weights from an exported file (`model.pth`) or from a checkpoint / checkpoints / run directory or pointer,
+    with plain names (`torch.compile`'s `_orig_mod.` removed, see `perdure.runners.compile`)."""
+    return strip_compile_prefix(_read_weights(path, ema))
+
+
+def _read_weights(path: Path, ema: bool) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise CheckpointError(f"pretrained path {path} does not exist")
     if path.is_file() and path.name not in POINTERS:

@@ -19,6 +19,7 @@ from perdure.loggers.base import LoggerGroup, build_loggers
 from perdure.loggers.console import set_progress_bar
 from perdure.loggers.progress import ProgressBar
 from perdure.runners.state import RunnerState
+from perdure.runners.throughput import format_metric
 from perdure.workspace.identity import canonical_config
 from perdure.workspace.metadata import write_metadata
 from perdure.workspace.run_dir import RunDir
@@ -91,6 +92,8 @@ class RunTelemetry:
                 details["code_id"],
             )
         restarts = {name: _int_or_none(os.environ.get(name)) for name in RESTART_COUNTERS if name in os.environ}
+        unit = self.config.training_mode()
+        details = {**details, "budget": {unit: self.config.lookup(unit)}}  # `perdure runs show` prints it
         entry = self.sidecar.start_attempt(
             started=attempt,
             restart_counts=restarts,
@@ -131,7 +134,7 @@ class RunTelemetry:
             self.progress.update(step, {name: value for name, value in metrics.items() if name == "loss"})
         budget = self.config.steps if self.config.training_mode() == "steps" else None
         where = f"step {step}/{budget}" if budget else f"step {step} epoch {self.state.epoch}"
-        logger.info("%s %s: %s", where, split, " ".join(f"{name} {value:.6g}" for name, value in metrics.items()))
+        logger.info("%s %s: %s", where, split, " ".join(format_metric(name, value) for name, value in metrics.items()))
         self.loggers.log_metrics(split, metrics, step)
         if self.sidecar is not None:
             self.sidecar.record(step=step, epoch=self.state.epoch, metrics={split: metrics})
@@ -153,6 +156,14 @@ class RunTelemetry:
             self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
             self._write_sidecar(durable=False)
             self._sidecar_at = self._heartbeat_at = now
+
+    def before_checkpoint(self) -> None:
+        """A checkpoint of this step is about to be written: what was logged up to it (the evaluation of this very
+        step included) is handed to the OS first, so a kill right after the commit loses no row the checkpoint covers
+        (the resumed run does not log those steps again). No fsync here, which would stall the loop: `checkpoint`
+        makes them durable once the checkpoint is committed."""
+        if self.active:
+            self.loggers.flush()
 
     def checkpoint(self, name: str, *, seconds: float, best: str | None) -> None:
         """A checkpoint was committed: loggers made durable up to it, the sidecar names it."""

@@ -15,6 +15,7 @@ from perdure.distributed.ddp import FixedLayoutDDP
 from perdure.distributed.process_group import init_process_group, local_device
 from perdure.errors import ConfigError
 from perdure.runners.base import BaseRunner
+from perdure.runners.compile import compile_model, uncompiled
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
@@ -62,15 +63,17 @@ class TorchRunner(BaseRunner):
         return local_device()
 
     def wrap_model(self) -> None:
-        """DDP with the gradient bucket layout fixed before the first step (`FixedLayoutDDP`): a resumed process
-        reduces every step in the layout the uninterrupted run used, so a resume on the same world size is bit-exact
-        on any number of ranks."""
+        """`compile.enabled`: compile the model in place (`perdure.runners.compile`; its state dict keeps its plain
+        names). Then, with several ranks, DDP with the gradient bucket layout fixed before the first step
+        (`FixedLayoutDDP`): a resumed process reduces every step in the layout the uninterrupted run used, so a
+        resume on the same world size is bit-exact on any number of ranks."""
+        self.model = compile_model(self.model, self.config)
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = FixedLayoutDDP(self.model, device_ids=device_ids)
 
     def unwrap_model(self) -> torch.nn.Module:
-        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        return uncompiled(self.model.module if isinstance(self.model, DistributedDataParallel) else self.model)
 
     def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
         if isinstance(self.model, DistributedDataParallel) and not last_micro_batch:

@@ -19,7 +19,8 @@ from perdure.config import flatten, plain_dict
 # Keys that do not change the maths, as dotted prefixes (`*` matches one section name, e.g. a dataloader split).
 # They are left out of `config_id`: logging, where the run lives, where it restores from, how checkpoints are
 # written, the step / epoch budget (so a run can be extended by resuming it with a larger budget), loader
-# performance knobs, and `deterministic` (which kernels compute the same maths: a run may turn it on to continue).
+# performance knobs, and `deterministic` and `compile` (which kernels compute the same maths: a run may turn them on
+# or off to continue), `perf` (what MFU is measured against).
 # `ft` (TorchFT replica groups): every group of a job shares one run directory, so `ft.replica_id` cannot be identity;
 # the lighthouse, timeouts and `min_replica_size` decide when steps commit, not what a step computes; `ft.enabled` and
 # `ft.group_size` are topology, like the world size (a run continues on another number of groups as it does on another
@@ -43,6 +44,8 @@ NON_IDENTITY_KEYS = (
     "dataloader.*.pin_memory",
     "deterministic",
     "ft",
+    "compile",
+    "perf",
 )
 
 DEEPSPEED_STACKS = ("deepspeed", "ds")
@@ -91,6 +94,7 @@ def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
         for section in sections:
             node = node.setdefault(section, {})
         node[leaf] = value
+    _keep_earlier_form(canonical)
     # The budget's size is not identity but its unit is: intervals count steps or epochs depending on it.
     plain = plain_dict(config)
     if plain.get("epochs") is not None:
@@ -98,6 +102,21 @@ def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
     elif plain.get("steps") is not None:
         canonical["budget_unit"] = "steps"
     return canonical
+
+
+def _keep_earlier_form(canonical: dict[str, Any]) -> None:
+    """Keys added or renamed since runs were first made, in the form those runs hashed, as long as they hold what an
+    earlier run could express: the run directory (and `--checkpoint`'s config check) of a run made before stays the
+    same after an upgrade of perdure. `eval.interval` was `eval_interval`, and `eval.steps` did not exist: while
+    `eval.steps` is null, the section is hashed as the single key `eval_interval`."""
+    section = canonical.get("eval")
+    if isinstance(section, dict) and set(section) == {"steps", "interval"} and section["steps"] is None:
+        items = [
+            ("eval_interval", section["interval"]) if key == "eval" else (key, value)
+            for key, value in canonical.items()
+        ]
+        canonical.clear()
+        canonical.update(items)  # in its place, as the canonical config files show it
 
 
 def _serialise(value: Any) -> str:

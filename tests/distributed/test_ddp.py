@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
 from tests.runs import assert_all_ok, assert_same_weights, final_weights, read_losses, run_dir, run_ranks, start_ranks
@@ -112,3 +113,16 @@ def test_resume_on_another_world_size_sees_every_sample_once(tmp_path, resume_ra
     assert sorted(before + after) == list(range(96)), "every sample of the interrupted epoch exactly once"
     sidecar = json.loads((run_dir(root) / "sidecar.json").read_text())
     assert sidecar["status"] == "completed" and sidecar["step"] == 30
+
+
+def test_ddp_with_compile_killed_and_rerun_matches_the_uncompiled_run_bit_for_bit(reference, tmp_path):
+    """compile.enabled on two ranks: the model is compiled in place before DDP wraps it; with the `eager` backend
+    (the same kernels as eager mode) a SIGKILLed and rerun compiled run ends where the uncompiled reference does."""
+    args = (*ARGS, "--compile.enabled", "--compile.backend", "eager")
+    killed = run_ranks(2, "resumable.py", tmp_path, *args, KILL_AT_STEP="13")
+    assert [result.returncode for result in killed] == [-signal.SIGKILL, -signal.SIGKILL]
+    assert read_pointer(run_dir(tmp_path) / "checkpoints", "latest") == "ckpt-s000000000010"
+    assert_all_ok(run_ranks(2, "resumable.py", tmp_path, *args, LOSS_LOG=str(tmp_path / "rerun-{rank}.jsonl")))
+    compare_with_reference(reference, tmp_path, tmp_path)
+    state = torch.load(run_dir(tmp_path) / "checkpoints" / "ckpt-s000000000030" / "state.pth", weights_only=True)
+    assert not [name for name in state["model"] if "_orig_mod" in name or name.startswith("module.")]

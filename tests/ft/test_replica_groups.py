@@ -21,7 +21,7 @@ pytest.importorskip("torchft", reason="the ft extra is not installed (pip instal
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 400
-ARGS = ("--steps", str(STEPS), "--ckpt.interval", "20", "--log.interval", "10", "--eval_interval", "100")
+ARGS = ("--steps", str(STEPS), "--ckpt.interval", "20", "--log.interval", "10", "--eval.interval", "100")
 
 
 def quorum_sizes(root, replica):

@@ -26,6 +26,8 @@ Environment knobs (tests only):
   GATHERED_WEIGHTS  stack=deepspeed: after training, rank 0 saves the engine's fp32 weights gathered from every rank
                 (`safe_get_full_fp32_param`) to this path
   RESTORED_STATE  stack=deepspeed: the same, right after the restore (before training), with the optimizer's steps
+  ITERABLE      "stateful": the train set is a stream (an IterableDataset, reshuffled each pass, each rank reading its
+                own shard) that saves its position; "stateless": the same stream without state_dict
 """
 
 import contextlib
@@ -38,7 +40,7 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from perdure import ConfigError, Runner, RunnerConfig
 
@@ -87,6 +89,33 @@ class Synthetic(Dataset):
         return self.inputs[index], self.targets[index]
 
 
+class StatelessStream(IterableDataset):
+    """`Synthetic` as a stream: rank r of W reads samples r, r + W, ... in an order reshuffled at every pass."""
+
+    def __init__(self, size: int, seed: int, rank: int, world_size: int):
+        self.data = Synthetic(size, seed)
+        self.shard = list(range(rank, size, world_size))
+        self.position = 0  # samples of this pass already yielded
+        self.passes = 0
+
+    def __iter__(self):
+        order = torch.randperm(len(self.shard), generator=torch.Generator().manual_seed(1000 + self.passes)).tolist()
+        while self.position < len(order):
+            index = self.shard[order[self.position]]
+            self.position += 1
+            yield self.data[index]
+        self.position = 0
+        self.passes += 1
+
+
+class Stream(StatelessStream):
+    def state_dict(self):
+        return {"position": self.position, "passes": self.passes}
+
+    def load_state_dict(self, state):
+        self.position, self.passes = state["position"], state["passes"]
+
+
 class Unsaveable:
     """A user object whose state holds a function defined in a method: torch.save cannot pickle it."""
 
@@ -108,6 +137,9 @@ class ResumableRunner(Runner):
         )
         self.criterion = nn.CrossEntropyLoss()
         self.datasets["train"] = Synthetic(config.dataset_size, seed=1)
+        if os.environ.get("ITERABLE"):
+            stream = Stream if os.environ["ITERABLE"] == "stateful" else StatelessStream
+            self.datasets["train"] = stream(config.dataset_size, 1, self.rank, self.world_size)
         self.datasets["val"] = Synthetic(40, seed=2)
         self.loss_log = _per_process(os.environ.get("LOSS_LOG", ""), self.rank, config) or None
         self.step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
