@@ -37,6 +37,9 @@ ON_ERROR = ("warn", "raise")
 WANDB_MODES = ("online", "offline", "disabled")
 PROGRESS_MODES = ("auto", "bar", "lines")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+EXPORT_FORMATS = ("pth", "safetensors")
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
 
 
@@ -54,6 +57,8 @@ _CHOICES: dict[str, tuple] = {
     "wandb.mode": WANDB_MODES,
     "log.progress": PROGRESS_MODES,
     "dist.backend": DIST_BACKENDS,
+    "parallel.pipeline.schedule": PIPELINE_SCHEDULES,
+    "compile.mode": COMPILE_MODES,
 }
 # key: (minimum, None allowed)
 _COUNTS: dict[str, tuple[int, bool]] = {
@@ -66,6 +71,8 @@ _COUNTS: dict[str, tuple[int, bool]] = {
     "sched.total_steps": (1, True),
     "score.patience": (0, False),
     "log.interval": (1, False),
+    "parallel.pipeline.microbatches": (1, True),
+    "parallel.pipeline.virtual_stages": (1, False),
 }
 _BOOLS = (
     "skip_nonfinite_grad",
@@ -75,6 +82,10 @@ _BOOLS = (
     "ema.enabled",
     "tensorboard.enabled",
     "wandb.enabled",
+    "compile.enabled",
+    "parallel.fsdp.offload",
+    "parallel.fsdp.reshard_after_forward",
+    "parallel.activation_checkpointing",
 )
 _MISSING = object()
 # Non-key attribute (chanfig `setattr`) holding the dotted keys given on the command line: not in to_plain / yaml /
@@ -109,6 +120,7 @@ class RunnerConfig(chanfig.Config):
         self.ckpt.export_dtype = None
         self.ckpt.async_mode = "disabled"  # disabled | thread | process
         self.ckpt.on_error = "warn"  # a failed periodic save: warn and train on, or raise
+        self.ckpt.export_format = ["pth"]  # what the final export writes: pth and / or safetensors
         self.optim.name = "adamw"
         self.optim.lr = 1e-3
         self.optim.weight_decay = 0.0
@@ -148,6 +160,22 @@ class RunnerConfig(chanfig.Config):
         self.resilience.exit_code = None  # exit status after a preemption; None: 128 + signal number
         self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
         self.dist.timeout = 600  # seconds a collective may wait before the run fails instead of hanging
+        self.compile.enabled = False
+        self.compile.backend = "inductor"
+        self.compile.mode = None
+        # stack=parallel (docs/parallel.md). Ranks per axis; their product is the world size, one may be -1 (the rest).
+        self.parallel.axes.replicate = 1
+        self.parallel.axes.shard = -1
+        self.parallel.axes.tensor = 1
+        self.parallel.axes.pipeline = 1
+        self.parallel.axes.context = 1
+        self.parallel.axes.expert = 1
+        self.parallel.pipeline.schedule = "1F1B"  # 1F1B | GPipe | Interleaved1F1B
+        self.parallel.pipeline.microbatches = None  # None: one per stage (the fewest 1F1B runs with)
+        self.parallel.pipeline.virtual_stages = 1  # stages per rank (Interleaved1F1B: 2 or more)
+        self.parallel.fsdp.offload = False  # keep sharded parameters, gradients and optimizer state on the CPU
+        self.parallel.fsdp.reshard_after_forward = True  # free gathered parameters after each block's forward
+        self.parallel.activation_checkpointing = False  # recompute each block's activations in the backward
 
     # ------------------------------------------------------------------ views
 
@@ -347,6 +375,17 @@ class RunnerConfig(chanfig.Config):
         if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
         self._check_loaders(c.get("dataloader", {}))
+        if not isinstance(get("compile.backend"), str) or not get("compile.backend"):
+            raise ConfigError(
+                "compile.backend", get("compile.backend"), "use a torch.compile backend name, e.g. inductor"
+            )
+        formats = get("ckpt.export_format")
+        formats = [formats] if isinstance(formats, str) else formats
+        if not isinstance(formats, list) or not formats or not all(f in EXPORT_FORMATS for f in formats):
+            raise ConfigError(
+                "ckpt.export_format", get("ckpt.export_format"), "use pth, safetensors or both: [pth, safetensors]"
+            )
+        self._check_parallel(c.get("parallel", {}))
         self.check_user_keys()
         return self
 
@@ -356,6 +395,20 @@ class RunnerConfig(chanfig.Config):
         Called at the end of `check()`, which `parse()` runs, and again when a runner is built: always before anything
         is written, so a bad value never leaves a run directory behind. Must not change the config. Default: nothing.
         """
+
+    def _check_parallel(self, parallel: Mapping[str, Any]) -> None:
+        """`parallel.*` as far as it can be checked without the world size (`Topology.resolve` does the rest)."""
+        from perdure.distributed.topology import check_axes
+
+        check_axes(parallel.get("axes", {}))
+        pipeline = parallel.get("pipeline", {})
+        schedule, virtual = pipeline.get("schedule"), pipeline.get("virtual_stages")
+        if schedule == "Interleaved1F1B" and virtual < 2:
+            fix = "Interleaved1F1B runs 2 or more stages per rank; use 2 or more, or the 1F1B schedule"
+            raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
+        if schedule != "Interleaved1F1B" and virtual != 1:
+            fix = f"{schedule} runs one stage per rank; use 1, or --parallel.pipeline.schedule Interleaved1F1B"
+            raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
 
     def _check_loaders(self, loader: Mapping[str, Any]) -> None:
         _check_loader("dataloader", loader, required=True)

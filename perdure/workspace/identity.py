@@ -20,6 +20,11 @@ from perdure.config import flatten, plain_dict
 # They are left out of `config_id`: logging, where the run lives, where it restores from, how checkpoints are
 # written, the step / epoch budget (so a run can be extended by resuming it with a larger budget), loader
 # performance knobs, and `deterministic` (which kernels compute the same maths: a run may turn it on to continue).
+# The parallel layout is not identity either: the topology (`parallel.axes`, like the world size) so a run continues on
+# another topology; how a pipeline runs (`parallel.pipeline`: the schedule only reorders microbatches, whose gradients
+# are summed in the same order by every schedule; the number of microbatches only splits the batch into equal parts
+# whose mean losses average to the batch's, changing rounding as a change of world size does); FSDP's memory knobs and
+# activation checkpointing (recomputation with the random state restored: the same values).
 NON_IDENTITY_KEYS = (
     "workspace",
     "log",
@@ -38,6 +43,10 @@ NON_IDENTITY_KEYS = (
     "dataloader.*.num_workers",
     "dataloader.*.pin_memory",
     "deterministic",
+    "parallel.axes",
+    "parallel.pipeline",
+    "parallel.fsdp",
+    "parallel.activation_checkpointing",
 )
 
 # Fixed diff options, so the hash of a dirty tree does not depend on the user's git configuration.
