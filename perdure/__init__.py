@@ -16,6 +16,7 @@ from perdure.errors import (
     UnsafeFileError,
 )
 from perdure.runners.base import BaseRunner
+from perdure.runners.parallel_runner import ParallelRunner
 from perdure.runners.runner import Runner
 from perdure.runners.state import RunnerState
 from perdure.runners.torch_runner import TorchRunner
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointPolicy",
     "ConfigError",
     "FileCheckpointManager",
+    "ParallelRunner",
     "PerdureError",
     "ResumableLoader",
     "ResumableSampler",

@@ -54,7 +54,7 @@ def test_both_budgets_fail_before_writing(tmp_path):
 def test_planned_stack_is_refused_clearly(tmp_path):
     root = tmp_path / "runs"
     with pytest.raises(StackNotAvailableError, match="not available yet"):
-        ResumableRunner(make_config(root, stack="parallel"))
+        ResumableRunner(make_config(root, stack="deepspeed"))
     assert not root.exists()
 
 

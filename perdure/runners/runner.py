@@ -6,11 +6,11 @@ from typing import Any
 
 from perdure.errors import StackNotAvailableError
 from perdure.runners.base import BaseRunner, RunnerMeta
+from perdure.runners.parallel_runner import ParallelRunner
 from perdure.runners.torch_runner import TorchRunner
 
-STACKS: dict[str, type[BaseRunner]] = {"torch": TorchRunner}
+STACKS: dict[str, type[BaseRunner]] = {"torch": TorchRunner, "parallel": ParallelRunner}
 PLANNED_STACKS = {
-    "parallel": "the FSDP2 / tensor / pipeline stack",
     "deepspeed": "the DeepSpeed stack",
 }
 
@@ -49,5 +49,5 @@ class _RunnerDispatch(RunnerMeta):
 class Runner(BaseRunner, metaclass=_RunnerDispatch):
     """Subclass this: assign `self.model`, `self.optimizer` (optional), `self.datasets[...]` in `__init__`.
 
-    The stack (`torch`, later `parallel` / `deepspeed`) is picked from `config.stack` when the runner is built.
+    The stack (`torch`, `parallel`, later `deepspeed`) is picked from `config.stack` when the runner is built.
     """
