@@ -3,7 +3,8 @@
 Gradients are DTensors on different meshes (a tensor-parallel weight on shard x tensor, a norm's weight on shard
 alone), which `torch.nn.utils.clip_grad_norm_` cannot stack; so the norm is taken per mesh (DTensor reduces it over
 that mesh, counting replicated placements once), the norms are combined, then summed over the pipeline stages, which
-hold disjoint parameters. Every rank ends with the same norm, so clipping and the non-finite check agree everywhere.
+hold disjoint parameters. Every rank ends with the same norm, bit for bit, so clipping and the non-finite check agree
+everywhere.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def clip_grad_norm(
     if pipeline_group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pipeline_group)
     total = total.sqrt()
+    if dist.get_world_size() > 1:
+        # DTensor reduces a norm over a 2-D mesh in two steps whose summation order may differ between ranks by a
+        # rounding; replicated shards must be clipped by the very same factor on every rank, so all take the largest.
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
     if max_norm is not None and math.isfinite(max_norm):
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)

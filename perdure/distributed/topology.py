@@ -205,14 +205,13 @@ def check_axes(axes: Mapping[str, Any]) -> None:
 
 
 def device_mesh(topology: Topology, device_type: str) -> Any:
-    """The DeviceMesh of `topology` with its dimensions named after the axes (`mesh["tensor"]`, ...), plus flattened
-    dimensions for the reduction domains in use: `data` (replicate x shard) and `fsdp` (shard x context, when context
-    > 1). Collective: every rank calls it."""
+    """The DeviceMesh of `topology` with its dimensions named after the axes (`mesh["tensor"]`, ...), plus
+    `shard_context` (shard x context flattened, what FSDP shards over) when context > 1. Collective: every rank calls
+    it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     names, sizes = zip(*topology.mesh_dims())
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
-    mesh["replicate", "shard"]._flatten("data")
     if topology.context > 1:
         mesh["shard", "context"]._flatten("shard_context")
     return mesh

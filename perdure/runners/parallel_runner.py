@@ -21,6 +21,7 @@ every data rank and pipeline stage draws its own (`Topology.stream_index`). The 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -73,6 +74,9 @@ class ParallelRunner(TorchRunner):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
+        # DTensor warns at every multi-step redistribution (a 2-D norm, a 2-D gather for the export) that it could be
+        # faster on a flattened mesh: advice for torch, not for the user; the runner agrees such values itself.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         self.mesh: Any = None  # the DeviceMesh, built in `distribute_model`
         self.model_parts: list[nn.Module] = []  # this rank's stages (one without a pipeline)
         self.pipeline: Pipeline | None = None
@@ -261,6 +265,7 @@ class ParallelRunner(TorchRunner):
         position = self.topology.coordinates(self.rank)["pipeline"]
         if not 0 < position < self.topology.pipeline - 1:
             super().build_dataloaders()
+            self._check_last_batch()
             return
         datasets = self.datasets
         self.datasets = {
@@ -271,6 +276,22 @@ class ParallelRunner(TorchRunner):
             super().build_dataloaders()
         finally:
             self.datasets = datasets
+
+    def _check_last_batch(self) -> None:
+        """Under pipeline parallelism every training batch is cut into equal microbatches: refuse, before anything
+        is written, an epoch whose last batch cannot be (it would fail when the epoch ends)."""
+        loader = self.dataloaders["train"]
+        if self.pipeline is None or loader.sampler is None or loader.loader.drop_last:
+            return
+        last = (loader.sampler.total_size // loader.world_size) % loader.batch_size
+        if last % self.microbatches():
+            raise ConfigError(
+                "dataloader.drop_last",
+                False,
+                f"the last training batch of an epoch holds {last} samples per data rank, which "
+                f"parallel.pipeline.microbatches={self.microbatches()} does not divide into equal microbatches; set "
+                "--dataloader.drop_last true (or a dataset size the batches divide)",
+            )
 
     # ---- the step ------------------------------------------------------------------------------------------------
 

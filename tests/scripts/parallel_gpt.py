@@ -34,7 +34,6 @@ class Config(gpt.Config):
         self.ckpt.interval = 5
         self.log.interval = 4
         self.dataloader.batch_size = 4
-        self.dataloader.drop_last = True
         self.sched.warmup_steps = 2
         self.max_grad_norm = 1.0
         self.model.layers = 2
@@ -42,7 +41,7 @@ class Config(gpt.Config):
         self.model.heads = 2
         self.model.block_size = 8
         self.data.vocab = 32
-        self.data.tokens = 600  # 67 windows: an epoch of 8 steps on 2 data ranks, so the runs cross an epoch
+        self.data.tokens = 572  # 64 training windows: an epoch of 8 steps on 2 data ranks (the runs cross one), 16 on 1
 
 
 class Indexed(Dataset):
@@ -94,7 +93,7 @@ class TestRunner(gpt.GPTRunner):
         if self.sample_log and self.first_reader():
             with open(self.sample_log, "a") as log:
                 for batch in window:
-                    log.write(json.dumps({"epoch": self.state.epoch, "samples": batch["index"].tolist()}) + "\n")
+                    log.write(json.dumps({"epoch": self.state.epoch, "step": self.state.global_step, "samples": batch["index"].tolist()}) + "\n")
         loss = super().forward_backward(window)
         if self.loss_log:
             with open(self.loss_log, "a") as log:
