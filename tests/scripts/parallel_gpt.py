@@ -93,7 +93,8 @@ class TestRunner(gpt.GPTRunner):
         if self.sample_log and self.first_reader():
             with open(self.sample_log, "a") as log:
                 for batch in window:
-                    log.write(json.dumps({"epoch": self.state.epoch, "step": self.state.global_step, "samples": batch["index"].tolist()}) + "\n")
+                    record = {"epoch": self.state.epoch, "step": self.state.global_step}
+                    log.write(json.dumps({**record, "samples": batch["index"].tolist()}) + "\n")
         loss = super().forward_backward(window)
         if self.loss_log:
             with open(self.loss_log, "a") as log:
