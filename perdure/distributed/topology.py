@@ -38,6 +38,7 @@ MODEL_AXES = ("tensor", "context", "expert")  # ranks along them read the same b
 LOSS_AXES = ("replicate", "shard", "context")
 FSDP_AXES = ("replicate", "shard", "context")  # gradients are reduced over these (replicate: HSDP's outer dimension)
 KEY = "parallel.axes"
+DEFAULTS = {"replicate": 1, "shard": -1, "tensor": 1, "pipeline": 1, "context": 1, "expert": 1}  # as RunnerConfig's
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,10 @@ class Topology:
 
     @classmethod
     def resolve(cls, axes: Mapping[str, Any], world_size: int) -> Topology:
-        """The topology of `parallel.axes` on `world_size` ranks; a ConfigError naming the axes, their product and the
-        world size when they do not fit."""
+        """The topology of `parallel.axes` on `world_size` ranks (axes left out take their defaults: shard -1, the
+        others 1); a ConfigError naming the axes, their product and the world size when they do not fit."""
         check_axes(axes)
-        sizes = {axis: axes.get(axis, 1) for axis in AXES}
+        sizes = {axis: axes.get(axis, DEFAULTS[axis]) for axis in AXES}
         free = [axis for axis, size in sizes.items() if size == -1]
         fixed = math.prod(size for size in sizes.values() if size != -1)
         shown = ", ".join(f"{axis}={size}" for axis, size in sizes.items())
@@ -200,7 +201,7 @@ def check_axes(axes: Mapping[str, Any]) -> None:
     if len(free) > 1:
         shown = ", ".join(f"{axis}=-1" for axis in free)
         raise ConfigError(
-            KEY, shown, f"at most one axis may be -1 (it takes the ranks the others leave); fix {free[1]}"
+            KEY, shown, f"at most one axis may be -1 (it takes the ranks the others leave); give {free[1]} a size"
         )
 
 
