@@ -19,7 +19,6 @@ training or evaluation); every stage of a pipeline reads batches of the same siz
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -158,8 +157,10 @@ class Pipeline:
                 PipelineStage(part, index, self.num_stages, self.device, group=self.group)
                 for part, index in zip(self.parts, self.indices)
             ]
-            if mode == "eval":  # forward only, as many equal microbatches as divide this batch (any size works)
-                count = math.gcd(batch_size, self.microbatches)
+            if mode == "eval":
+                # Forward only, the batch as one microbatch: the data ranks' last batches may differ in size, and
+                # FSDP needs the same number of forwards on each
+                count = 1
                 if len(stages) > 1:
                     schedule = ScheduleLoopedBFS(stages, count, loss_fn=self._loss, scale_grads=False)
                 else:
@@ -203,7 +204,7 @@ class Pipeline:
         self._denominator = 1
         schedule = self._schedule("eval", size)
         schedule.eval(*self._args(inputs), target=target if self.is_last else None)
-        return self._shared_loss(self._take_losses(math.gcd(size, self.microbatches)))
+        return self._shared_loss(self._take_losses(1))
 
     def _take_losses(self, count: int) -> list[torch.Tensor]:
         """The criterion's values of the step just run: its last `count` calls (a schedule's first step also calls it
