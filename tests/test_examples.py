@@ -62,3 +62,26 @@ def test_demo_under_torchrun_with_two_ranks(tmp_path):
     assert "torchrun --standalone --nproc_per_node=2" in result.stdout
     assert "resuming from" in result.stdout and "nothing to train" not in result.stdout
     assert "verdict: IDENTICAL" in result.stdout, result.stdout
+
+
+def test_gpt_trains_on_one_process(tmp_path):
+    result = run("gpt.py", "--workspace.root", str(tmp_path))  # its defaults: 200 steps, a few seconds
+    assert "finished at step 200" in result.stdout
+    val = [float(line.split("loss ")[1].split()[0]) for line in result.stdout.splitlines() if "val: loss" in line]
+    assert val[-1] < 3.0, result.stdout  # log(64) = 4.16 knowing nothing: it learned the bigram table
+
+
+def test_gpt_under_torchrun_with_tensor_parallelism(tmp_path):
+    """The same program on the parallel stack, launched as a user launches it."""
+    skip_unless_ranks_fit(2)
+    args = ("--workspace.root", str(tmp_path), "--steps", "10", "--ckpt.interval", "5", "--log.interval", "5")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(EXAMPLES / "gpt.py"), "--stack", "parallel", "--parallel.axes.tensor", "2", *args]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PERDURE_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "parallel: tensor 2 (2 ranks)" in result.stdout and "finished at step 10" in result.stdout
+    (run_dir,) = [path.parent for path in tmp_path.glob("*/*/checkpoints")]
+    weights = torch.load(run_dir / "model.pth", weights_only=True)
+    assert weights["layers.0.attn.q.weight"].shape == (32, 32), "the export holds whole tensors under the model's names"
