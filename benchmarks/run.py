@@ -1,6 +1,7 @@
 """Run the benchmarks (`make bench`): each in its own process, then one summary table.
 
-    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [gpu] [--strict]
+    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [parallel_step]
+                             [gpu] [--strict]
 
 Each benchmark prints its own table and writes `bench-results/<name>.json`; `gpu` says it skipped where there is no
 CUDA device. A missed target is reported, not
@@ -23,7 +24,7 @@ from typing import Any
 from _common import DEFAULT_THREADS, RESULTS_DIR, format_table
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save", "ddp_step", "gpu")
+BENCHMARKS = ("step_overhead", "save_throughput", "async_stall", "dcp_save", "ddp_step", "parallel_step", "gpu")
 
 
 def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
@@ -67,6 +68,15 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
             [name, f"{key}: plain / fixed ms per step, same layout", f"{r['plain_ms_per_step']:.2f} / "
              f"{r['fixed_ms_per_step']:.2f}, {'yes' if r['same_layout_as_plain_after_rebuild'] else 'NO'}", "", ""]
             for key, r in results.items()
+        ]  # fmt: skip
+    if name == "parallel_step":
+        save = results["dcp_save"]
+        return [
+            [name, "hand FSDP2 loop / runner / runner-lean, ms per step", f"{results['hand']['ms_per_step']:.1f} / "
+             f"{results['runner']['ms_per_step']:.1f} / {results['runner-lean']['ms_per_step']:.1f}", "", ""],
+            [name, "runner / hand in CPU time", f"{results['runner']['cpu_ratio']:.3f}", "", ""],
+            [name, "DCP save s: sharded (parallel) / replicated (torch)", f"{save['parallel_s']:.2f} / "
+             f"{save['torch_s']:.2f}", "", ""],
         ]  # fmt: skip
     if name == "gpu":
         if "skipped" in results:
