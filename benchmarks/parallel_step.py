@@ -14,9 +14,11 @@ parameters (the comparison is of the same math).
 DCP save. The same model and AdamW state (a 25M-parameter GPT, after one step), saved through the checkpoint
 managers as the runners use them: `ParallelCheckpointManager` with the FSDP2-sharded model and optimizer (each rank
 writes its shards), and `DCPCheckpointManager` with the replicated model of the torch stack (DCP spreads the
-replicated tensors over the ranks, each written once); time until the checkpoint is committed.
+replicated tensors over the ranks, each written once); time until the checkpoint is committed, wall and rank 0's
+CPU time, the two stacks alternating. The target is on the CPU-time ratio (the wall time of a save on a shared VM
+follows the disk and the other jobs more than the code).
 
-    python benchmarks/parallel_step.py [--steps 50] [--rounds 3] [--saves 3]
+    python benchmarks/parallel_step.py [--steps 50] [--rounds 3] [--saves 5]
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ LR = 1e-3
 WARMUP = 10
 BLOCK = 10
 TARGET_RATIO = 1.05
-SAVE_TARGET_RATIO = 1.25
+SAVE_TARGET_RATIO = 1.10
 VARIANTS = ("hand", "runner", "runner-lean")
 
 
@@ -138,7 +140,8 @@ def runner_loop(steps: int, lean: bool, root: str) -> tuple[list[tuple[float, fl
 
 
 def save_times(saves: int, root: Path, rank: int) -> dict[str, list[float]]:
-    """Seconds to a committed checkpoint: the sharded state (parallel stack) and the replicated one (torch stack)."""
+    """Seconds to a committed checkpoint (wall and this rank's CPU), the sharded state (parallel stack) and the
+    replicated one (torch stack) saved alternately."""
     from gpt import GPT, TokenLoss
 
     from perdure.checkpoints.base import CheckpointPolicy
@@ -149,7 +152,7 @@ def save_times(saves: int, root: Path, rank: int) -> dict[str, list[float]]:
     from perdure.runners.rng import RNGState
     from perdure.runners.state import RunnerState
 
-    times: dict[str, list[float]] = {}
+    managers, states = {}, {}
     for stack in ("torch", "parallel"):
         torch.manual_seed(0)
         model = GPT(**SAVE_MODEL)
@@ -162,21 +165,25 @@ def save_times(saves: int, root: Path, rank: int) -> dict[str, list[float]]:
         optimizer.zero_grad(set_to_none=True)
         if stack == "parallel":
             manager_class = ParallelCheckpointManager
-            states = {"model": ShardedModel([model]), "optimizer": ShardedOptimizer([model], optimizer)}
+            states[stack] = {"model": ShardedModel([model]), "optimizer": ShardedOptimizer([model], optimizer)}
         else:
             manager_class = DCPCheckpointManager
-            states = {"model": model, "optimizer": optimizer}
-        states = {"state": RunnerState(), **states}
+            states[stack] = {"model": model, "optimizer": optimizer}
+        states[stack] = {"state": RunnerState(), **states[stack]}
         identity = {"topology": Topology(shard=WORLD_SIZE).to_manifest()} if stack == "parallel" else {}
-        manager = manager_class(root / stack, CheckpointPolicy(), rank=rank, world_size=WORLD_SIZE, identity=identity,
-                                token="bench", timeout_s=600)  # fmt: skip
-        times[stack] = []
-        for index in range(saves):
+        managers[stack] = manager_class(root / stack, CheckpointPolicy(), rank=rank, world_size=WORLD_SIZE,
+                                        identity=identity, token="bench", timeout_s=600)  # fmt: skip
+    times: dict[str, list[float]] = {key: [] for key in ("torch", "parallel", "torch_cpu", "parallel_cpu")}
+    for index in range(saves):
+        for stack in ("torch", "parallel") if index % 2 == 0 else ("parallel", "torch"):
             dist.barrier()
-            started = time.perf_counter()
-            manager.save(checkpoint_name(step=index + 1), states, {"rng": RNGState()}, meta={"global_step": index + 1})
+            started, cpu_started = time.perf_counter(), time.process_time()
+            meta = {"global_step": index + 1}
+            managers[stack].save(checkpoint_name(step=index + 1), states[stack], {"rng": RNGState()}, meta=meta)
             dist.barrier()
             times[stack].append(time.perf_counter() - started)
+            times[f"{stack}_cpu"].append(time.process_time() - cpu_started)
+    for stack, manager in managers.items():
         manager.close()
         written = (root / stack / checkpoint_name(step=saves)).iterdir()
         times[f"{stack}_bytes"] = [float(sum(path.stat().st_size for path in written))]
@@ -219,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50, help="steps per loop per round (the first 10 warm up)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median ratio is reported")
-    parser.add_argument("--saves", type=int, default=3, help="saves per stack (median reported)")
+    parser.add_argument("--saves", type=int, default=5, help="saves per stack, alternating (median reported)")
     args = parser.parse_args(argv)
     threads = setup_threads()
     print(f"{NAME}: {WORLD_SIZE} gloo ranks, {args.rounds} rounds x {args.steps} steps, {args.saves} saves", flush=True)
@@ -253,23 +260,27 @@ def main(argv: list[str] | None = None) -> int:
                           TARGET_RATIO))  # fmt: skip
     targets.append(target("same final parameters as the hand loop (1 = yes)", float(same), ">=", 1.0))
     saves = record["saves"]
-    save_ratio = median(saves["parallel"]) / median(saves["torch"])
+    save_ratio = median(p / t for p, t in zip(saves["parallel"], saves["torch"]))
     summary["dcp_save"] = {
         "parallel_s": median(saves["parallel"]),
         "torch_s": median(saves["torch"]),
         "ratio": save_ratio,
+        "cpu_ratio": median(p / t for p, t in zip(saves["parallel_cpu"], saves["torch_cpu"])),
         "parallel_bytes": saves["parallel_bytes"][0],
         "torch_bytes": saves["torch_bytes"][0],
-        "runs": {"parallel": saves["parallel"], "torch": saves["torch"]},
+        "runs": {key: saves[key] for key in ("parallel", "torch", "parallel_cpu", "torch_cpu")},
     }
-    metric = "DCP save, sharded (parallel) / replicated (torch stack)"
-    targets.append(target(metric, save_ratio, "<=", SAVE_TARGET_RATIO))
+    # The target is on CPU time: the wall time of a save on this shared VM follows the disk and the other jobs
+    metric = "DCP save CPU time, sharded (parallel) / replicated (torch stack)"
+    targets.append(target(metric, summary["dcp_save"]["cpu_ratio"], "<=", SAVE_TARGET_RATIO))
     headers = ["loop", "ms/step", "cpu ms/step", "ratio", "ratio range", "cpu ratio", "same params"]
     print(format_table(headers, rows))
     print(format_table(
-        ["DCP save, 2 ranks", "median s", "MB"],
-        [["parallel stack (FSDP2 shards)", median(saves["parallel"]), saves["parallel_bytes"][0] / 1e6],
-         ["torch stack (replicated)", median(saves["torch"]), saves["torch_bytes"][0] / 1e6]],
+        ["DCP save, 2 ranks", "median s", "median cpu s", "MB"],
+        [["parallel stack (FSDP2 shards)", median(saves["parallel"]), median(saves["parallel_cpu"]),
+          saves["parallel_bytes"][0] / 1e6],
+         ["torch stack (replicated)", median(saves["torch"]), median(saves["torch_cpu"]),
+          saves["torch_bytes"][0] / 1e6]],
     ))  # fmt: skip
     print(format_targets(targets))
     config = {

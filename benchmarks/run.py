@@ -76,7 +76,7 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
              f"{results['runner']['ms_per_step']:.1f} / {results['runner-lean']['ms_per_step']:.1f}", "", ""],
             [name, "runner / hand in CPU time", f"{results['runner']['cpu_ratio']:.3f}", "", ""],
             [name, "DCP save s: sharded (parallel) / replicated (torch)", f"{save['parallel_s']:.2f} / "
-             f"{save['torch_s']:.2f}", "", ""],
+             f"{save['torch_s']:.2f} (wall ratio {save['ratio']:.2f})", "", ""],
         ]  # fmt: skip
     if name == "gpu":
         if "skipped" in results:
