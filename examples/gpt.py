@@ -41,6 +41,7 @@ class Config(RunnerConfig):
         self.sched.name = "cosine"
         self.sched.warmup_steps = 20
         self.dataloader.batch_size = 8
+        self.dataloader.drop_last = True  # every batch splits into equal pipeline microbatches
         self.log.interval = 25
         self.model.layers = 2
         self.model.dim = 32
