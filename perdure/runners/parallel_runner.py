@@ -411,15 +411,19 @@ class ParallelRunner(TorchRunner):
             "axes": [before.sizes(), self.topology.sizes()],
             "global_batch": [per_rank * before.data_size, per_rank * self.topology.data_size],
         }
+        if not self.is_main_process:
+            return
+        now, was = per_rank * self.topology.data_size, per_rank * before.data_size
+        batch = f"stays {now}" if now == was else f"changes from {was} to {now}"
         self.logger.warning(
-            "TOPOLOGY CHANGE: %s was written on %s, this attempt runs on %s: the global batch is %d samples per "
-            "optimizer step (was %d); the data position continues from the same sample; model, optimizer and EMA are "
-            "resharded by DCP",
+            "TOPOLOGY CHANGE: %s was written on %s, this attempt runs on %s: the global batch %s samples per "
+            "optimizer step (%d data ranks); the data position continues from the same sample; model, optimizer and "
+            "EMA are resharded by DCP",
             info.name,
             before.describe(),
             self.topology.describe(),
-            per_rank * self.topology.data_size,
-            per_rank * before.data_size,
+            batch,
+            self.topology.data_size,
         )
 
     def export_model(self) -> Path | None:
