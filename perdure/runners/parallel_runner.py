@@ -417,13 +417,14 @@ class ParallelRunner(TorchRunner):
         batch = f"stays {now}" if now == was else f"changes from {was} to {now}"
         self.logger.warning(
             "TOPOLOGY CHANGE: %s was written on %s, this attempt runs on %s: the global batch %s samples per "
-            "optimizer step (%d data ranks); the data position continues from the same sample; model, optimizer and "
-            "EMA are resharded by DCP",
+            "optimizer step (%d data rank%s); the data position continues from the same sample; model, optimizer "
+            "and EMA are resharded by DCP",
             info.name,
             before.describe(),
             self.topology.describe(),
             batch,
             self.topology.data_size,
+            "" if self.topology.data_size == 1 else "s",
         )
 
     def export_model(self) -> Path | None:
