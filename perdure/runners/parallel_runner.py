@@ -101,6 +101,9 @@ class ParallelRunner(TorchRunner):
         if config.ckpt.backend not in ("auto", "dcp"):
             fix = "the parallel stack saves sharded state through DCP (reshardable); use auto or dcp"
             raise ConfigError("ckpt.backend", config.ckpt.backend, fix)
+        if config.parallel.fsdp.offload and not torch.cuda.is_available():
+            fix = "offloading keeps sharded state on the CPU instead of the GPU; without CUDA it is there already"
+            raise ConfigError("parallel.fsdp.offload", True, fix)
         if config.precision == "fp16":
             fix = "the parallel stack has no sharded gradient scaler for fp16; use bf16 (no loss scaling needed)"
             raise ConfigError("precision", "fp16", fix)

@@ -1,5 +1,6 @@
 """Bad topologies and models the parallel stack cannot split fail before anything is written, naming the key; a
-SIGTERM to one rank stops every rank at the same step, saved, with exit status 143 (FSDP2 and a pipeline)."""
+SIGTERM to one rank stops every rank at the same step, saved, with exit status 143 (FSDP2, and a pipeline saving in
+the background: the preemption save is drained before the exit)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,16 @@ def test_a_pipeline_stage_that_renames_parameters(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("axes", [(), ("--parallel.axes.pipeline", "2")], ids=["fsdp2", "pipeline"])
+def test_a_train_step_override_under_pipeline_parallelism(tmp_path):
+    results = run_ranks(2, "parallel_gpt.py", tmp_path / "runs", *STACK, "--parallel.axes.pipeline", "2",
+                        timeout=TIMEOUT, OWN_TRAIN_STEP="1")  # fmt: skip
+    refused(results, "parallel.axes.pipeline", "overrides train_step, which pipeline parallelism never calls")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "axes", [(), ("--parallel.axes.pipeline", "2", "--ckpt.async_mode", "thread")], ids=["fsdp2", "pipeline-async"]
+)
 def test_sigterm_to_one_rank_saves_the_same_step_on_every_rank(tmp_path, axes):
     root, log = tmp_path / "runs", tmp_path / "losses-0.jsonl"
     args = (*STACK, *axes, "--steps", "200", "--ckpt.interval", "50")
@@ -74,3 +84,4 @@ def test_sigterm_to_one_rank_saves_the_same_step_on_every_rank(tmp_path, axes):
     manifest = verify_checkpoint(checkpoints / read_pointer(checkpoints, "latest"))
     assert manifest["global_step"] == stopped.pop() and manifest["reason"] == "preemption"
     assert manifest["world_size"] == 2 and manifest["topology"]["pipeline"] == (2 if axes else 1)
+    assert all(f"checkpointing step {manifest['global_step']}" in output for output in outputs)

@@ -21,22 +21,28 @@ TIMEOUT = 150  # seconds one launch may take
 
 pytestmark = pytest.mark.timeout(600)
 
+# name: (ranks, the axes, other options: the same in a resume on another topology, so that it continues the run)
 TOPOLOGIES = {
-    "fsdp2": (2, ()),
-    "fsdp2-tp": (4, ("--parallel.axes.tensor", "2")),
-    "pipeline-1f1b": (2, ("--parallel.axes.pipeline", "2")),
+    "fsdp2": (2, (), ()),
+    "fsdp2-tp": (
+        4,
+        ("--parallel.axes.tensor", "2"),
+        ("--ema.enabled", "true", "--ckpt.export_format", "pth,safetensors"),
+    ),
+    "pipeline-1f1b": (2, ("--parallel.axes.pipeline", "2"), ()),
     "pipeline-3-stages": (
         3,
-        ("--parallel.axes.pipeline", "3", "--model.layers", "3", "--dataloader.batch_size", "6")
-        + ("--dataloader.drop_last", "true"),
+        ("--parallel.axes.pipeline", "3"),
+        ("--model.layers", "3", "--dataloader.batch_size", "6", "--ema.enabled", "true"),
     ),
     "fsdp2-bf16-ac-compile": (
         2,
+        (),
         ("--precision", "bf16", "--parallel.activation_checkpointing", "true")
         + ("--compile.enabled", "true", "--compile.backend", "aot_eager"),
     ),
 }
-# (killed topology, ranks of the resume, its axes): the resharding cases of issue 10
+# case: (killed topology, ranks of the resume, its axes): the resharding cases of issue 10
 RESHARDS = {
     "fsdp2-to-1": ("fsdp2", 1, ()),
     "fsdp2-to-4": ("fsdp2", 4, ()),
@@ -44,6 +50,7 @@ RESHARDS = {
     "fsdp2-tp-to-1": ("fsdp2-tp", 1, ()),
     "pipeline-to-1": ("pipeline-1f1b", 1, ()),
 }
+EXPORTS = {"fsdp2-tp": ("model.pth", "model-ema.pth"), "pipeline-3-stages": ("model.pth", "model-ema.pth")}
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +60,12 @@ def killed(tmp_path_factory):
 
     def get(name):
         if name not in runs:
-            ranks, axes = TOPOLOGIES[name]
+            ranks, axes, options = TOPOLOGIES[name]
             base = tmp_path_factory.mktemp(name)
-            reference = run_ranks(ranks, "parallel_gpt.py", base / "reference", *STEPS, *axes, timeout=TIMEOUT,
-                                  LOSS_LOG=base / "reference-{rank}.jsonl")  # fmt: skip
+            reference = run_ranks(ranks, "parallel_gpt.py", base / "reference", *STEPS, *axes, *options,
+                                  timeout=TIMEOUT, LOSS_LOG=base / "reference-{rank}.jsonl")  # fmt: skip
             assert_all_ok(reference)
-            first = run_ranks(ranks, "parallel_gpt.py", base / "killed", *STEPS, *axes, timeout=TIMEOUT,
+            first = run_ranks(ranks, "parallel_gpt.py", base / "killed", *STEPS, *axes, *options, timeout=TIMEOUT,
                               KILL_AT_STEP="7", SAMPLE_LOG=base / "samples-{rank}.jsonl")  # fmt: skip
             assert [result.returncode for result in first] == [-signal.SIGKILL] * ranks, [r.stdout for r in first]
             checkpoints = run_dir(base / "killed") / "checkpoints"
@@ -81,10 +88,10 @@ def copy_run(base, name, tmp_path):
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
 def test_kill_every_rank_and_rerun_is_bit_exact(killed, tmp_path, name):
-    ranks, axes = TOPOLOGIES[name]
+    ranks, axes, options = TOPOLOGIES[name]
     base = killed(name)
     root = copy_run(base, "rerun", tmp_path)
-    rerun = run_ranks(ranks, "parallel_gpt.py", root, *STEPS, *axes, timeout=TIMEOUT,
+    rerun = run_ranks(ranks, "parallel_gpt.py", root, *STEPS, *axes, *options, timeout=TIMEOUT,
                       LOSS_LOG=tmp_path / "rerun-{rank}.jsonl")  # fmt: skip
     assert_all_ok(rerun)
     assert "resuming from" in rerun[0].stdout and "ckpt-s000000000005" in rerun[0].stdout
@@ -95,7 +102,12 @@ def test_kill_every_rank_and_rerun_is_bit_exact(killed, tmp_path, name):
         assert sorted(step for _, step, _ in resumed) == list(range(5, 10)), "the rerun trained steps 5 to 9"
         for position, loss in resumed.items():
             assert expected[position] == loss, f"rank {rank}: loss at {position} differs"
-    assert_same_weights(final_weights(base / "reference"), final_weights(root))
+    for export in EXPORTS.get(name, ("model.pth",)):
+        assert_same_weights(final_weights(base / "reference", export), final_weights(root, export))
+    if "safetensors" in options:
+        from safetensors.torch import load_file
+
+        assert_same_weights(final_weights(root), load_file(run_dir(root) / "model.safetensors"))
 
 
 def read_samples(path, keep):
@@ -110,10 +122,11 @@ def read_samples(path, keep):
 @pytest.mark.parametrize("case", list(RESHARDS))
 def test_resume_on_another_topology_reads_every_sample_once(killed, tmp_path, case):
     name, ranks, axes = RESHARDS[case]
+    options = TOPOLOGIES[name][2]
     base = killed(name)
     root = copy_run(base, "resharded", tmp_path)
     # enough steps to finish the interrupted epoch on any of these topologies (16 steps per epoch on 1 data rank)
-    resumed = run_ranks(ranks, "parallel_gpt.py", root, *STEPS, "--steps", "16", *axes, timeout=TIMEOUT,
+    resumed = run_ranks(ranks, "parallel_gpt.py", root, *STEPS, "--steps", "16", *axes, *options, timeout=TIMEOUT,
                         SAMPLE_LOG=tmp_path / "samples-{rank}.jsonl")  # fmt: skip
     assert_all_ok(resumed)
     assert "resuming from" in resumed[0].stdout and "(step 5)" in resumed[0].stdout

@@ -9,6 +9,7 @@ Environment knobs (tests only):
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (every rank does it at the same step)
   RENAMING_STAGE  the model's pipeline_stage renames its blocks (what the runner must refuse)
   NO_PARALLELIZE  the model has no parallelize method
+  OWN_TRAIN_STEP  the runner class overrides train_step (which pipeline parallelism never calls)
 """
 
 import json
@@ -105,5 +106,12 @@ class TestRunner(gpt.GPTRunner):
         return loss
 
 
+class OwnTrainStepRunner(TestRunner):
+    def train_step(self, batch):
+        inputs, target = self.unpack_batch(batch)
+        return self.criterion(self.model(inputs), target) * 2
+
+
 if __name__ == "__main__":
-    TestRunner(Config().parse()).train()
+    runner_class = OwnTrainStepRunner if os.environ.get("OWN_TRAIN_STEP") else TestRunner
+    runner_class(Config().parse()).train()
