@@ -33,7 +33,8 @@ TOPOLOGIES = {
     "pipeline-3-stages": (
         3,
         ("--parallel.axes.pipeline", "3"),
-        ("--model.layers", "3", "--dataloader.batch_size", "6", "--ema.enabled", "true"),
+        ("--model.layers", "3", "--dataloader.batch_size", "6", "--dataloader.drop_last", "true")
+        + ("--ema.enabled", "true"),
     ),
     "fsdp2-bf16-ac-compile": (
         2,

@@ -35,6 +35,7 @@ class Config(gpt.Config):
         self.ckpt.interval = 5
         self.log.interval = 4
         self.dataloader.batch_size = 4
+        self.dataloader.drop_last = False  # a resume on more data ranks reads the epoch's tail in shorter batches
         self.sched.warmup_steps = 2
         self.max_grad_norm = 1.0
         self.model.layers = 2
