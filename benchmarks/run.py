@@ -1,7 +1,7 @@
 """Run the benchmarks (`make bench`): each in its own process, then one summary table.
 
-    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [deepspeed_step]
-                             [sampler_scale] [gpu] [ft_recovery] [--strict]
+    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [parallel_step]
+                             [deepspeed_step] [sampler_scale] [gpu] [ft_recovery] [--strict]
 
 Each benchmark prints its own table and writes `bench-results/<name>.json`; `gpu` says it skipped where there is no
 CUDA device. A missed target is reported, not
@@ -30,6 +30,7 @@ BENCHMARKS = (
     "async_stall",
     "dcp_save",
     "ddp_step",
+    "parallel_step",
     "deepspeed_step",
     "sampler_scale",
     "gpu",
@@ -87,6 +88,15 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
         rows.append([name, "save s: engine.save_checkpoint / perdure", f"{saves['engine_median_s']:.3f} / "
                      f"{saves['perdure_median_s']:.3f}", "", ""])  # fmt: skip
         return rows
+    if name == "parallel_step":
+        save = results["dcp_save"]
+        return [
+            [name, "hand FSDP2 loop / runner / runner-lean, ms per step", f"{results['hand']['ms_per_step']:.1f} / "
+             f"{results['runner']['ms_per_step']:.1f} / {results['runner-lean']['ms_per_step']:.1f}", "", ""],
+            [name, "runner / hand in CPU time", f"{results['runner']['cpu_ratio']:.3f}", "", ""],
+            [name, "DCP save s: sharded (parallel) / replicated (torch)", f"{save['parallel_s']:.2f} / "
+             f"{save['torch_s']:.2f} (wall ratio {save['ratio']:.2f})", "", ""],
+        ]  # fmt: skip
     if name == "gpu":
         if "skipped" in results:
             return [[name, "skipped", results["skipped"], "", ""]]

@@ -20,6 +20,7 @@ from perdure.ft.runner import FaultTolerant
 from perdure.runners.base import BaseRunner
 from perdure.runners.compile import plain_state_dict, strip_compile_prefix
 from perdure.runners.deepspeed_runner import DeepSpeedRunner
+from perdure.runners.parallel_runner import ParallelRunner
 from perdure.runners.runner import Runner
 from perdure.runners.state import RunnerState
 from perdure.runners.torch_runner import TorchRunner
@@ -37,6 +38,7 @@ __all__ = [
     "FaultTolerant",
     "FileCheckpointManager",
     "NodeDataset",
+    "ParallelRunner",
     "PerdureError",
     "ResumableLoader",
     "ResumableSampler",

@@ -39,8 +39,10 @@ ON_ERROR = ("warn", "raise")
 WANDB_MODES = ("online", "offline", "disabled")
 PROGRESS_MODES = ("auto", "bar", "lines")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
-LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+EXPORT_FORMATS = ("pth", "safetensors")
+LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
 
 
 _CHOICES: dict[str, tuple] = {
@@ -57,6 +59,7 @@ _CHOICES: dict[str, tuple] = {
     "wandb.mode": WANDB_MODES,
     "log.progress": PROGRESS_MODES,
     "dist.backend": DIST_BACKENDS,
+    "parallel.pipeline.schedule": PIPELINE_SCHEDULES,
     "compile.mode": COMPILE_MODES,
 }
 # key: (minimum, None allowed)
@@ -71,6 +74,8 @@ _COUNTS: dict[str, tuple[int, bool]] = {
     "sched.total_steps": (1, True),
     "score.patience": (0, False),
     "log.interval": (1, False),
+    "parallel.pipeline.microbatches": (1, True),
+    "parallel.pipeline.virtual_stages": (1, False),
 }
 _BOOLS = (
     "skip_nonfinite_grad",
@@ -81,6 +86,9 @@ _BOOLS = (
     "tensorboard.enabled",
     "wandb.enabled",
     "compile.enabled",
+    "parallel.fsdp.offload",
+    "parallel.fsdp.reshard_after_forward",
+    "parallel.activation_checkpointing",
 )
 _MISSING = object()
 # Non-key attribute (chanfig `setattr`) holding the dotted keys given on the command line: not in to_plain / yaml /
@@ -117,6 +125,7 @@ class RunnerConfig(chanfig.Config):
         self.ckpt.export_dtype = None  # cast model.pth to fp32, bf16 or fp16 (checkpoints keep full precision)
         self.ckpt.async_mode = "disabled"  # disabled, thread or process: write checkpoints in the background
         self.ckpt.on_error = "warn"  # a failed periodic save: warn and train on, or raise
+        self.ckpt.export_format = ["pth"]  # what the final export writes: pth and / or safetensors
         self.optim.name = "adamw"  # the default optimizer: adamw, adam, sgd (unless you assign self.optimizer)
         self.optim.lr = 1e-3  # learning rate
         self.optim.weight_decay = 0.0  # weight decay
@@ -164,6 +173,19 @@ class RunnerConfig(chanfig.Config):
         self.deepspeed.config = None  # raw DeepSpeed settings: a dict, or a JSON / YAML file
         for key, value in FT_DEFAULTS.items():  # TorchFT replica groups: see perdure/ft/config.py
             self.ft[key] = value
+        # stack=parallel (docs/parallel.md). Ranks per axis; their product is the world size, one may be -1 (the rest).
+        self.parallel.axes.replicate = 1  # whole-model replicas (HSDP's outer dimension)
+        self.parallel.axes.shard = -1  # FSDP2 shards of parameters, gradients and optimizer state; -1: the rest
+        self.parallel.axes.tensor = 1  # tensor parallelism (the model's tensor plan over this many ranks)
+        self.parallel.axes.pipeline = 1  # pipeline stages (the model's pipeline split)
+        self.parallel.axes.context = 1  # context parallelism (the model's parallelize(mesh) splits sequences)
+        self.parallel.axes.expert = 1  # expert parallelism (the model's parallelize(mesh) places experts)
+        self.parallel.pipeline.schedule = "1F1B"  # 1F1B, GPipe or Interleaved1F1B
+        self.parallel.pipeline.microbatches = None  # microbatches per batch; None: one per stage
+        self.parallel.pipeline.virtual_stages = 1  # stages per rank (Interleaved1F1B: 2 or more)
+        self.parallel.fsdp.offload = False  # keep sharded parameters, gradients and optimizer state on the CPU
+        self.parallel.fsdp.reshard_after_forward = True  # free gathered parameters after each block's forward
+        self.parallel.activation_checkpointing = False  # recompute each block's activations in the backward
 
     # ------------------------------------------------------------------ views
 
@@ -380,6 +402,13 @@ class RunnerConfig(chanfig.Config):
         self._check_loaders(c.get("dataloader", {}))
         self._check_stack_keys(get("stack"), get("ckpt.backend"))
         check_ft(get)
+        formats = get("ckpt.export_format")
+        formats = [formats] if isinstance(formats, str) else formats
+        if not isinstance(formats, list) or not formats or not all(f in EXPORT_FORMATS for f in formats):
+            raise ConfigError(
+                "ckpt.export_format", get("ckpt.export_format"), "use pth, safetensors or both: [pth, safetensors]"
+            )
+        self._check_parallel(c.get("parallel", {}))
         self.check_user_keys()
         return self
 
@@ -399,6 +428,20 @@ class RunnerConfig(chanfig.Config):
         elif backend == "deepspeed":
             raise ConfigError("ckpt.backend", backend, "the DeepSpeed engine's checkpoints need stack=deepspeed; use "
                               "auto, file or dcp")  # fmt: skip
+
+    def _check_parallel(self, parallel: Mapping[str, Any]) -> None:
+        """`parallel.*` as far as it can be checked without the world size (`Topology.resolve` does the rest)."""
+        from perdure.distributed.topology import check_axes
+
+        check_axes(parallel.get("axes", {}))
+        pipeline = parallel.get("pipeline", {})
+        schedule, virtual = pipeline.get("schedule"), pipeline.get("virtual_stages")
+        if schedule == "Interleaved1F1B" and virtual < 2:
+            fix = "Interleaved1F1B runs 2 or more stages per rank; use 2 or more, or the 1F1B schedule"
+            raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
+        if schedule != "Interleaved1F1B" and virtual != 1:
+            fix = f"{schedule} runs one stage per rank; use 1, or --parallel.pipeline.schedule Interleaved1F1B"
+            raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
 
     def _check_loaders(self, loader: Mapping[str, Any]) -> None:
         _check_loader("dataloader", loader, required=True)

@@ -55,11 +55,16 @@ def test_defaults():
         "export_dtype": None,
         "async_mode": "disabled",
         "on_error": "warn",
+        "export_format": ["pth"],
     }
     assert c["optim"]["betas"] == [0.9, 0.999] and c["optim"]["lr"] == 1e-3
     assert c["dataloader"]["batch_size"] == 32 and c["score"]["mode"] == "min"
     assert c["workspace"]["tags"] == [] and c["log"]["interval"] == 50
     assert c["ema"] == {"enabled": False, "decay": 0.999}
+    assert c["compile"] == {"enabled": False, "backend": "inductor", "mode": None}
+    axes = c["parallel"]["axes"]
+    assert axes == {"replicate": 1, "shard": -1, "tensor": 1, "pipeline": 1, "context": 1, "expert": 1}
+    assert c["parallel"]["pipeline"] == {"schedule": "1F1B", "microbatches": None, "virtual_stages": 1}
 
 
 def test_defaults_need_a_budget():

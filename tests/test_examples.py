@@ -187,3 +187,26 @@ def test_every_preset_in_configs_loads_into_its_example():
         spec.loader.exec_module(module)
         config = module.Config().parse(["--config", str(preset)], exit_on_error=False)  # an unknown key raises
         assert config.from_command_line("steps") is False and config.steps is not None
+
+
+def test_gpt_trains_on_one_process(tmp_path):
+    result = run("gpt.py", "--workspace.root", str(tmp_path))  # its defaults: 200 steps, a few seconds
+    assert "finished at step 200" in result.stdout
+    val = [float(line.split("loss ")[1].split()[0]) for line in result.stdout.splitlines() if "val: loss" in line]
+    assert val[-1] < 3.0, result.stdout  # log(64) = 4.16 knowing nothing: it learned the bigram table
+
+
+def test_gpt_under_torchrun_with_tensor_parallelism(tmp_path):
+    """The same program on the parallel stack, launched as a user launches it."""
+    skip_unless_ranks_fit(2)
+    args = ("--workspace.root", str(tmp_path), "--steps", "10", "--ckpt.interval", "5", "--log.interval", "5")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(EXAMPLES / "gpt.py"), "--stack", "parallel", "--parallel.axes.tensor", "2", *args]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PERDURE_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "parallel: tensor 2 (2 ranks)" in result.stdout and "finished at step 10" in result.stdout
+    (run_dir,) = [path.parent for path in tmp_path.glob("*/*/checkpoints")]
+    weights = torch.load(run_dir / "model.pth", weights_only=True)
+    assert weights["layers.0.attn.q.weight"].shape == (32, 32), "the export holds whole tensors under the model's names"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from perdure import CheckpointError, ConfigError, ResumeError, StackNotAvailableError
+from perdure import CheckpointError, ConfigError, ResumeError
 from tests.runs import assert_same_weights, run_dir
 from tests.scripts.resumable import Config, ResumableRunner
 from tests.scripts.resumable import make_config as resumable_config
@@ -51,10 +51,10 @@ def test_both_budgets_fail_before_writing(tmp_path):
     assert not root.exists()
 
 
-def test_planned_stack_is_refused_clearly(tmp_path):
+def test_unknown_stack_is_refused_clearly(tmp_path):
     root = tmp_path / "runs"
-    with pytest.raises(StackNotAvailableError, match="not available yet"):
-        ResumableRunner(make_config(root, stack="parallel"))
+    with pytest.raises(ConfigError, match="'stack' = 'jax'.*torch, parallel, deepspeed"):
+        ResumableRunner(make_config(root, stack="jax"))
     assert not root.exists()
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -101,13 +102,16 @@ class DCPCheckpointManager(CheckpointManager):
         self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Model and optimizer in DCP's FQN-keyed form (`get_model_state_dict` / `get_optimizer_state_dict`); their
-        tensors are the live ones, so an async snapshot still copies parameters and optimizer state late."""
+        tensors are the live ones, so an async snapshot still copies parameters and optimizer state late. A model
+        that is not an `nn.Module` is a Stateful that gives its DCP form itself (the parallel stack's sharded
+        model and optimizer), and so is its optimizer."""
         model = states.get("model")
+        module = model if isinstance(model, nn.Module) else None
         replicated: dict[str, Any] = {}
         for key, state in states.items():
-            if key == "model":
+            if key == "model" and module is not None:
                 replicated[key] = get_model_state_dict(state)
-            elif key == "optimizer" and model is not None:
+            elif key == "optimizer" and module is not None:
                 replicated[key] = get_optimizer_state_dict(model, state)
             else:
                 replicated[key] = state.state_dict()
@@ -175,7 +179,7 @@ class DCPCheckpointManager(CheckpointManager):
         stored = {key.split(".", 1)[0] for key in read_dcp_metadata(path, files).state_dict_metadata}
         # Templates shaped like this run's objects (on this world size); DCP fills them from whatever ranks wrote.
         template: dict[str, Any] = {}
-        if model is not None and "model" in stored:
+        if isinstance(model, nn.Module) and "model" in stored:
             if optimizer is not None and "optimizer" in stored:
                 template["model"], template["optimizer"] = get_state_dict(model, optimizer)
             else:
@@ -190,16 +194,23 @@ class DCPCheckpointManager(CheckpointManager):
         except (Exception, CheckpointException) as error:
             raise CheckpointError(f"DCP could not read checkpoint {path}: {_describe(error)}") from error
         plain = load_torch_file(path / REPLICATED_FILE)
+        module = model if isinstance(model, nn.Module) else None
         for key, state in states.items():  # the mapping's order is the restore order
-            if key == "model" and key in template:
-                set_model_state_dict(model, template[key])
-            elif key == "optimizer" and key in template:
-                set_optimizer_state_dict(model, optimizer, template[key])
+            if key == "model" and key in template and module is not None:
+                set_model_state_dict(module, template[key])
+            elif key == "optimizer" and key in template and module is not None:
+                set_optimizer_state_dict(module, optimizer, template[key])
             elif key in template:
                 state.load_state_dict(template[key])
             elif key in plain:
                 state.load_state_dict(plain[key])
-        return read_local_states(path, self.rank, local_states)
+        source = self.local_source(path)
+        return source is not None and read_local_states(path, source, local_states)
+
+    def local_source(self, path: Path) -> int | None:
+        """Whose rank-local file (RNGs, data position) this rank reads from checkpoint `path`: its own rank; a
+        backend that knows a topology may map it to another rank, or to None (none fits: streams start afresh)."""
+        return self.rank
 
 
 def _restricted_load(state: dict[str, Any], path: Path, files: dict[str, Any] | None, *, no_dist: bool) -> None:

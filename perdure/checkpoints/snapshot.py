@@ -19,8 +19,19 @@ import torch
 
 from perdure.checkpoints.staging import CopyFence, Staging
 
+try:  # sharded tensors (FSDP2, tensor parallelism): a snapshot copies this rank's shard and keeps the layout
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without torch.distributed
+    DTensor = None
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (what it saves and copies), else the tensor itself."""
+    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    tensor = local_part(tensor)
     return (tensor.device.type, tensor.untyped_storage().data_ptr())
 
 
@@ -127,6 +138,10 @@ class Snapshot:
         return copy.deepcopy(tree)
 
     def _copy_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if DTensor is not None and isinstance(tensor, DTensor):
+            shard = self._copy_tensor(tensor.to_local())
+            layout = {"shape": tensor.shape, "stride": tensor.stride(), "run_check": False}
+            return DTensor.from_local(shard, tensor.device_mesh, tensor.placements, **layout)
         tensor = tensor.detach()
         target, pinned = self._pool.take(tensor)
         self.buffers.append(target)
@@ -159,6 +174,7 @@ def snapshot_nbytes(trees: Iterable[Any]) -> int:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
+            item = local_part(item)
             total += item.numel() * item.element_size()
         elif isinstance(item, dict):
             stack.extend(item.values())

@@ -36,7 +36,7 @@ from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, r
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
-from perdure.runners.export import EXPORT_DTYPES, export_weights, read_weights
+from perdure.runners.export import EXPORT_DTYPES, export_weights, read_weights, save_safetensors
 from perdure.safe_io import echo, escape_terminal, read_regular, safe_name
 
 EXPORT_SUFFIXES = (".pth", ".safetensors")
@@ -333,49 +333,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 # ---- export --------------------------------------------------------------------------------------------------------
-
-
-def _cast(weights: dict[str, Any], dtype: str | None) -> dict[str, torch.Tensor]:
-    target = EXPORT_DTYPES[dtype] if dtype else None
-    out = {}
-    for name, tensor in weights.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(
-                f"weight {name!r} is a {type(tensor).__name__}, not a tensor; safetensors holds tensors"
-            )
-        tensor = tensor.detach().cpu()
-        out[name] = tensor.to(target) if target is not None and tensor.is_floating_point() else tensor
-    return out
-
-
-def save_safetensors(weights: dict[str, Any], path: Path, dtype: str | None, metadata: dict[str, str]) -> Path:
-    """Atomically write `weights` as safetensors: cast, contiguous, shared storage cloned, fsynced."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise PerdureError(
-            f"writing {path.name} needs the safetensors package: pip install safetensors (or export to .pth)"
-        ) from None
-    tensors, seen = {}, set()
-    for name, tensor in _cast(weights, dtype).items():
-        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
-        tensor = tensor.clone() if storage is not None and storage in seen else tensor.contiguous()
-        seen.add(storage)
-        tensors[name] = tensor
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(temporary), metadata=metadata)
-        fd = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return path
 
 
 def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:

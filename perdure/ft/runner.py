@@ -106,7 +106,8 @@ class FaultTolerant:
     # ---- data and state --------------------------------------------------------------------------------------
 
     def data_parallel_rank(self) -> tuple[int, int]:
-        return self.replica_id * self.world_size + self.rank, self.group_size * self.world_size
+        shard, shards = self.data_shard()
+        return self.replica_id * shards + shard, self.group_size * shards
 
     def build_dataloaders(self) -> None:
         super().build_dataloaders()
@@ -140,7 +141,7 @@ class FaultTolerant:
             return
         if info.manifest.get("ft_replica", 0) == self.replica_id:
             return  # the checkpoint's own rank files are this group's (it committed it, or it is a plain run's)
-        stream = self.data_parallel_rank()[0]
+        stream = self.random_stream()
         seed = derived_seed(self.config.seed, stream, self.state.global_step)
         seed_everything(seed)
         self.logger.warning(

@@ -21,7 +21,7 @@ from typing import Any
 
 from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.distributed.collectives import broadcast_object
-from perdure.errors import PerdureError
+from perdure.errors import ConfigError, PerdureError
 from perdure.loggers.console import attach_log_file, detach_log_file
 from perdure.resilience.run_lock import LOCK_NAME, RunLock
 from perdure.runners.export import read_weights
@@ -178,10 +178,15 @@ class AttemptMixin:
     def _setup_failed(self, error: Exception) -> None:
         """A setup (`__init__` / `__post_init__`) raised after the run was decided: record a failed attempt with the
         error (run dir, sidecar, log file), so the failure shows in `perdure runs ls`; then release everything.
-        Runners built by `from_checkpoint` (to look at a run) record nothing. Never masks `error`."""
+        Runners built by `from_checkpoint` (to look at a run) record nothing, nor does a `ConfigError` (bad input,
+        refused before anything is written: e.g. a model the parallel stack cannot split as configured). Never masks
+        `error`."""
         if "telemetry" not in self.__dict__:  # the run was not decided: nothing to record, nothing held
             if "_early_records" in self.__dict__:
                 self.logger.removeHandler(self._early_records)
+            return
+        if isinstance(error, ConfigError):
+            self._release()
             return
         try:
             if self.is_main_process and not self.inspection:

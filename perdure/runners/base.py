@@ -4,8 +4,8 @@
       └─ __post_init__      optimizer / scheduler defaults, EMA, model placement, dataloaders, restore, wrapping
     runner.train()          begin the attempt (lock, repair, directories, log file, records), then train_steps() or
                             train_epochs(): both drive the one loop in `_fit`
-      └─ per window         begin_step -> train_step(batch) per micro-batch -> backward -> commit_step ->
-                            optimizer step -> EMA
+      └─ per window         begin_step -> forward_backward (train_step per micro-batch -> backward) ->
+                            commit_step -> optimizer step -> EMA
       └─ per step / epoch   log, evaluate, score, checkpoint
       └─ at the end         final checkpoint, model export
 
@@ -166,7 +166,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.model before it returns")
         # The model was initialised from `seed` on every rank alike; from here on each rank draws its own stream
         # (dropout masks differ across ranks; rank 0 keeps the stream of a single-process run).
-        stream = self.data_parallel_rank()[0]
+        stream = self.random_stream()
         if stream > 0:
             seed_everything(derived_seed(self.config.seed, stream))
         self.place_model()
@@ -177,6 +177,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
             self.scheduler = build_scheduler(self.optimizer, self.config.sched, total)
         if self.config.ema.enabled and self.ema is None:
             self.ema = ExponentialMovingAverage(self.unwrap_model(), self.config.ema.decay)
+        self.distribute_model()
         self.build_dataloaders()
         self.restore(self.restore_source)
         self._losses = list(self.state.pending_losses)
@@ -198,6 +199,24 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
 
         Must keep the parameter objects (the user's optimizer may already hold them) and must not wrap the model.
         """
+
+    def random_stream(self) -> int:
+        """Called in `__post_init__` before the model is placed: the index of the random stream this process draws
+        from then on (0: the stream of a single-process run). Ranks that must draw the same numbers (tensor-parallel
+        peers, whose dropout on a replicated activation must agree) return the same index. Must not draw.
+        Default: this process's `data_parallel_rank()`."""
+        return self.data_parallel_rank()[0]
+
+    def data_shard(self) -> tuple[int, int]:
+        """(index, count): this process's share of every dataset. Processes with the same index read the same
+        batches (tensor-parallel peers, the stages of one pipeline). Must not depend on anything `__init__` builds
+        after `init_distributed`."""
+        return self.rank, self.world_size
+
+    def distribute_model(self) -> None:
+        """Called in `__post_init__` once the optimizer, scheduler and EMA exist, before the dataloaders and the
+        restore: a stack that replaces the model's parameters (sharding, splitting into pipeline stages) does it here
+        and moves the optimizer, scheduler and EMA onto the new parameters. Must not write anything. Default: none."""
 
     def wrap_model(self) -> None:
         """Called last in `__post_init__`, after the restore: wrap the model for distributed training (DDP, ...)."""
@@ -232,11 +251,11 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
 
     def data_parallel_rank(self) -> tuple[int, int]:
         """(rank, size) of this process among all the processes that read different training batches: the train
-        sampler's shard, and the random stream the process draws from (rank 0 keeps a single process's stream).
+        sampler's shard, and by default the random stream the process draws from.
 
-        Default: (rank, world_size). TorchFT replica groups span groups x group-local ranks. Must not change state.
+        Default: `data_shard()`. TorchFT replica groups span groups x group-local shards. Must not change state.
         """
-        return self.rank, self.world_size
+        return self.data_shard()
 
     def begin_step(self) -> bool:
         """Called at the start of every accumulation window, before its first forward (gradients are zero).
@@ -435,11 +454,15 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         if window:
             yield window
 
-    def _train_window(self, window: list[Any], loader: ResumableLoader) -> bool:
-        """One optimizer step over `window`; False when it did not count (`begin_step` / `commit_step`)."""
-        if not self.begin_step():
-            return False
-        # Gradients are zero here: `optimizer_step` leaves them so, and `_fit` zeroes them before the first window.
+    def forward_backward(self, window: list[Any]) -> torch.Tensor:
+        """Forward and backward of one accumulation window (its micro-batches, in order); returns the window's loss
+        (the mean of the micro-batch losses, detached) for logging.
+
+        Called once per window with zeroed gradients, before `optimizer_step`. The default runs `train_step` per
+        micro-batch inside `no_sync` and `autocast`, and `backward` on the loss divided by the window's length; a
+        stack whose schedule drives forward and backward itself (pipeline parallelism) overrides it. Must leave the
+        window's summed, scaled gradients in place and must not step the optimizer or change `self.state`.
+        """
         losses = []
         for index, batch in enumerate(window):
             with self.no_sync(last_micro_batch=index == len(window) - 1):
@@ -448,6 +471,14 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
                 loss = output["loss"] if isinstance(output, Mapping) else output
                 self.backward(loss if len(window) == 1 else loss / len(window))
             losses.append(loss.detach())
+        return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+
+    def _train_window(self, window: list[Any], loader: ResumableLoader) -> bool:
+        """One optimizer step over `window`; False when it did not count (`begin_step` / `commit_step`)."""
+        if not self.begin_step():
+            return False
+        # Gradients are zero here: `optimizer_step` leaves them so, and `_fit` zeroes them before the first window.
+        loss = self.forward_backward(window)
         self.checkpoints.wait_for_snapshots()  # an async save may still be copying what the step will change
         if not self.commit_step():
             self.optimizer.zero_grad(set_to_none=True)
@@ -469,7 +500,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         if self.ema is not None:
             self.ema.update(self.unwrap_model())
         self.state.global_step += 1
-        self._losses.append(losses[0] if len(losses) == 1 else torch.stack(losses).mean())
+        self._losses.append(loss)
         self.telemetry.step(self.state.global_step)
         self._end_step(epoch_ending=self.state.samples_in_epoch >= (loader.samples_per_epoch() or math.inf))
         return True
@@ -521,8 +552,8 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
             self._evaluate_and_score()
         self.save_checkpoint("final")
         self._report_saves(self.checkpoints.close())
-        if self.config.ckpt.enabled and self.is_main_process:
-            self.export_model()
+        if self.config.ckpt.enabled:
+            self.export_model()  # every rank: a sharded model is gathered collectively
         self.logger.info(
             "finished at step %d (epoch %d); run dir %s", self.state.global_step, self.state.epoch, self.run_dir.path
         )
@@ -600,12 +631,13 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
         """One ResumableLoader per dataset the user assigned; per-split options from `dataloader.<split>.*`."""
         if "train" not in self.datasets:
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.datasets['train']")
+        shard, shards = self.data_shard()
         for split, dataset in self.datasets.items():
             if split in self.dataloaders:
                 continue
             options = self.config.loader_options(split)
-            # Training batches are sharded over every data-parallel process; evaluation over this process group.
-            rank, world_size = self.data_parallel_rank() if split == "train" else (self.rank, self.world_size)
+            # Training batches are sharded over every data-parallel process; evaluation over this job's data shards.
+            rank, world_size = self.data_parallel_rank() if split == "train" else (shard, shards)
             self.dataloaders[split] = ResumableLoader(
                 dataset,
                 batch_size=options["batch_size"],

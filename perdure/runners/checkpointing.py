@@ -19,7 +19,7 @@ from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError
 from perdure.loggers.console import get_logger
 from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
-from perdure.runners.export import export_weights, read_weights
+from perdure.runners.export import export_weights, read_weights, save_safetensors
 from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
 from perdure.safe_io import read_yaml
@@ -146,7 +146,7 @@ class CheckpointingMixin:
         self.logger.info("%s", source.describe())
         if source.kind in ("resume", "checkpoint"):
             if not self.checkpoints.load(source.info, self.checkpoint_states(), self.checkpoint_local_states()):
-                seed = derived_seed(self.config.seed, self.rank, self.state.global_step)
+                seed = derived_seed(self.config.seed, self.random_stream(), self.state.global_step)
                 seed_everything(seed)
                 self.logger.warning(
                     "%s was written by %s and holds no state for rank %d: its RNGs are seeded from (seed, rank, "
@@ -200,13 +200,32 @@ class CheckpointingMixin:
         """Load model (or EMA) weights only, from an exported `.pth` file or any checkpoint path."""
         load_matching_weights(self.unwrap_model(), read_weights(Path(path), ema=ema), Path(path))
 
-    def export_model(self) -> Path:
-        """Write `model.pth` (and `model-ema.pth` with EMA) into the run dir, cast to `ckpt.export_dtype`."""
-        dtype = self.config.ckpt.export_dtype
-        path = export_weights(plain_state_dict(self.unwrap_model()), self.run_dir.path / "model.pth", dtype)
-        if self.ema is not None:
-            export_weights(self.ema.weights(), self.run_dir.path / "model-ema.pth", dtype)
-        return path
+    def export_model(self) -> Path | None:
+        """Write `model.pth` (and `model-ema.pth` with EMA) into the run dir, cast to `ckpt.export_dtype`; also
+        `model.safetensors` (`model-ema.safetensors`) when `ckpt.export_format` includes safetensors.
+
+        Called on every rank when training completes (a stack whose model is sharded gathers it collectively); the
+        main process writes and returns the path of `model.pth` (or of the first format written), the others None.
+        """
+        if not self.is_main_process:
+            return None
+        ema = self.ema.weights() if self.ema is not None else None
+        return self.write_exports(plain_state_dict(self.unwrap_model()), ema)
+
+    def write_exports(self, weights: dict[str, torch.Tensor], ema: dict[str, torch.Tensor] | None) -> Path:
+        """Write full (unsharded) weights, and EMA weights when given, in every format of `ckpt.export_format`."""
+        dtype, formats = self.config.ckpt.export_dtype, self.config.ckpt.export_format
+        formats = [formats] if isinstance(formats, str) else formats
+        written = []
+        for name, state in (("model", weights), ("model-ema", ema)):
+            if state is None:
+                continue
+            if "pth" in formats:
+                written.append(export_weights(state, self.run_dir.path / f"{name}.pth", dtype))
+            if "safetensors" in formats:
+                metadata = {"format": "pt", "source": str(self.run_dir.path)}
+                written.append(save_safetensors(state, self.run_dir.path / f"{name}.safetensors", dtype, metadata))
+        return written[0]
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config_class: type[RunnerConfig] = RunnerConfig) -> BaseRunner:

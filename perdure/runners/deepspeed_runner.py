@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,6 @@ from perdure.distributed.deepspeed_env import import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend
 from perdure.runners.deepspeed_config import engine_config
 from perdure.runners.ema import ExponentialMovingAverage
-from perdure.runners.export import export_weights
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
 
 
@@ -130,15 +130,15 @@ class DeepSpeedRunner(TorchRunner):
                 states[key] = state
         return states
 
-    def export_model(self) -> Any:
-        """`model.pth`: the fp32 weights of the checkpoint just committed, gathered from every rank's partition
-        (DeepSpeed's zero-to-fp32 routine, its files read through the allow-list); EMA as on the torch stack."""
-        dtype = self.config.ckpt.export_dtype
+    def export_model(self) -> Path | None:
+        """`model.pth` (and the other `ckpt.export_format`s): the fp32 weights of the checkpoint just committed,
+        gathered from every rank's partition (DeepSpeed's zero-to-fp32 routine, its files read through the
+        allow-list), written by the main process; EMA as on the torch stack."""
+        if not self.is_main_process:
+            return None
         checkpoint = self.run_dir.checkpoints / self._position_name()
-        path = export_weights(read_deepspeed_weights(checkpoint), self.run_dir.path / "model.pth", dtype)
-        if self.ema is not None:
-            export_weights(self.ema.weights(), self.run_dir.path / "model-ema.pth", dtype)
-        return path
+        ema = self.ema.weights() if self.ema is not None else None
+        return self.write_exports(read_deepspeed_weights(checkpoint), ema)
 
 
 class _GatheringEMA(ExponentialMovingAverage):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -12,7 +13,7 @@ from perdure.checkpoints.commit import POINTERS, fsync_dir, write_file
 from perdure.checkpoints.file import REPLICATED_FILE
 from perdure.checkpoints.resolve import resolve_path
 from perdure.checkpoints.safe_unpickle import load_torch_file
-from perdure.errors import CheckpointError, ConfigError
+from perdure.errors import CheckpointError, ConfigError, PerdureError
 from perdure.runners.compile import strip_compile_prefix
 from perdure.safe_io import UnsafeFileError
 
@@ -32,6 +33,49 @@ def export_weights(state_dict: dict[str, torch.Tensor], path: Path, dtype: str |
     temporary.unlink(missing_ok=True)
     write_file(temporary, lambda f: torch.save(weights, f))
     os.replace(temporary, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def cast_weights(weights: dict[str, Any], dtype: str | None) -> dict[str, torch.Tensor]:
+    target = EXPORT_DTYPES[dtype] if dtype else None
+    out = {}
+    for name, tensor in weights.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(
+                f"weight {name!r} is a {type(tensor).__name__}, not a tensor; safetensors holds tensors"
+            )
+        tensor = tensor.detach().cpu()
+        out[name] = tensor.to(target) if target is not None and tensor.is_floating_point() else tensor
+    return out
+
+
+def save_safetensors(weights: dict[str, Any], path: Path, dtype: str | None, metadata: dict[str, str]) -> Path:
+    """Atomically write `weights` as safetensors: cast, contiguous, shared storage cloned, fsynced."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise PerdureError(
+            f"writing {path.name} needs the safetensors package: pip install safetensors (or export to .pth)"
+        ) from None
+    tensors, seen = {}, set()
+    for name, tensor in cast_weights(weights, dtype).items():
+        storage = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        tensor = tensor.clone() if storage is not None and storage in seen else tensor.contiguous()
+        seen.add(storage)
+        tensors[name] = tensor
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(temporary), metadata=metadata)
+        fd = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
     return path
 

@@ -7,11 +7,14 @@ from typing import Any
 from perdure.errors import StackNotAvailableError
 from perdure.runners.base import BaseRunner, RunnerMeta
 from perdure.runners.deepspeed_runner import DeepSpeedRunner
+from perdure.runners.parallel_runner import ParallelRunner
 from perdure.runners.torch_runner import TorchRunner
 
-STACKS: dict[str, type[BaseRunner]] = {"torch": TorchRunner, "deepspeed": DeepSpeedRunner, "ds": DeepSpeedRunner}
-PLANNED_STACKS = {
-    "parallel": "the FSDP2 / tensor / pipeline stack",
+STACKS: dict[str, type[BaseRunner]] = {
+    "torch": TorchRunner,
+    "parallel": ParallelRunner,
+    "deepspeed": DeepSpeedRunner,
+    "ds": DeepSpeedRunner,
 }
 
 
@@ -19,11 +22,6 @@ def stack_class(stack: str) -> type[BaseRunner]:
     """The runner class for `config.stack`, or a clear error for a stack this version does not have."""
     if stack in STACKS:
         return STACKS[stack]
-    if stack in PLANNED_STACKS:
-        raise StackNotAvailableError(
-            f"config key 'stack' = {stack!r}: {PLANNED_STACKS[stack]} is not available yet in this version of "
-            f"perdure; use stack=torch"
-        )
     raise StackNotAvailableError(f"config key 'stack' = {stack!r}: unknown stack; use one of {', '.join(STACKS)}")
 
 
@@ -55,5 +53,5 @@ class _RunnerDispatch(RunnerMeta):
 class Runner(BaseRunner, metaclass=_RunnerDispatch):
     """Subclass this: assign `self.model`, `self.optimizer` (optional), `self.datasets[...]` in `__init__`.
 
-    The stack (`torch`, `deepspeed` / `ds`, later `parallel`) is picked from `config.stack` when the runner is built.
+    The stack (`torch`, `parallel`, `deepspeed` / `ds`) is picked from `config.stack` when the runner is built.
     """

@@ -102,11 +102,7 @@ class TorchRunner(BaseRunner):
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        finite = True
-        if self.config.max_grad_norm:
-            finite = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)))
-        elif self.config.skip_nonfinite_grad:
-            finite = self._grads_finite([p.grad for p in parameters if p.grad is not None])
+        finite = self.clip_and_check_gradients(parameters)
         if self.world_size > 1:
             finite = all_ranks(finite)  # all-reduced gradients agree already; this makes the skip a joint decision
         if self.scaler is not None:
@@ -117,6 +113,16 @@ class TorchRunner(BaseRunner):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return finite or not self.config.skip_nonfinite_grad
+
+    def clip_and_check_gradients(self, parameters: list[torch.Tensor]) -> bool:
+        """Called by `optimizer_step` after unscaling: clip to `max_grad_norm` when set; return whether every gradient
+        is finite (checked only when clipping or `skip_nonfinite_grad` asks for it). The caller agrees the answer over
+        all ranks. Must not step or zero anything."""
+        if self.config.max_grad_norm:
+            return bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)))
+        if self.config.skip_nonfinite_grad:
+            return self._grads_finite([p.grad for p in parameters if p.grad is not None])
+        return True
 
     def _grads_finite(self, grads: list[torch.Tensor]) -> bool:
         """One fused pass over the gradients per device (the kernel GradScaler uses, with a scale of exactly 1)."""

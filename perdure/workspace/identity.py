@@ -25,6 +25,11 @@ from perdure.config import flatten, plain_dict
 # the lighthouse, timeouts and `min_replica_size` decide when steps commit, not what a step computes; `ft.enabled` and
 # `ft.group_size` are topology, like the world size (a run continues on another number of groups as it does on another
 # number of ranks, with a topology note).
+# The parallel layout is not identity either: the topology (`parallel.axes`, like the world size) so a run continues on
+# another topology; how a pipeline runs (`parallel.pipeline`: the schedule only reorders microbatches, whose gradients
+# are summed in the same order by every schedule; the number of microbatches only splits the batch into equal parts
+# whose mean losses average to the batch's, changing rounding as a change of world size does); FSDP's memory knobs and
+# activation checkpointing (recomputation with the random state restored: the same values).
 NON_IDENTITY_KEYS = (
     "workspace",
     "log",
@@ -46,6 +51,10 @@ NON_IDENTITY_KEYS = (
     "ft",
     "compile",
     "perf",
+    "parallel.axes",
+    "parallel.pipeline",
+    "parallel.fsdp",
+    "parallel.activation_checkpointing",
 )
 
 DEEPSPEED_STACKS = ("deepspeed", "ds")

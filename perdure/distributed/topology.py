@@ -1,0 +1,218 @@
+"""Topology: named parallel axes, the device mesh they span, and which ranks reduce together.
+
+    parallel.axes.{replicate, shard, tensor, pipeline, context, expert}
+
+Each axis is a number of ranks; their product is the world size (one axis may be -1: it takes what the others leave).
+Ranks are laid out row-major over the axes in `MESH_ORDER` (the pipeline outermost, the tensor axis innermost, so
+tensor-parallel peers are neighbours: on GPUs, the same node), as `init_device_mesh` lays them out.
+
+Who does what along each axis:
+
+    replicate, shard   the data axes: their ranks read different batches (data domain); FSDP keeps the parameters
+                       replicated over `replicate` and sharded over `shard` (HSDP when both are > 1)
+    tensor, expert     model-parallel axes: their ranks read the same batches and draw the same random stream (dropout
+                       on a replicated activation must agree); the model's `parallelize(mesh)` decides what they split
+    context            like tensor (same batches, same stream), but every rank holds a part of each sequence, so its
+                       gradients and losses are summed with the data axes' (FSDP shards over shard x context)
+    pipeline           each rank holds some stages of the model; its own random stream
+
+Reduction domains: data = replicate x shard (the sampler's ranks), loss = replicate x shard x context (whose losses
+average into the global loss), optimizer = every rank (the gradient norm and the non-finite skip are agreed there).
+
+Pure: this module computes coordinates and names; only `device_mesh` touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from perdure.errors import ConfigError
+
+AXES = ("replicate", "shard", "tensor", "pipeline", "context", "expert")  # the config's order
+MESH_ORDER = ("pipeline", "replicate", "shard", "context", "expert", "tensor")  # outermost first
+DATA_AXES = ("replicate", "shard")
+MODEL_AXES = ("tensor", "context", "expert")  # ranks along them read the same batches and draw the same stream
+LOSS_AXES = ("replicate", "shard", "context")
+FSDP_AXES = ("replicate", "shard", "context")  # gradients are reduced over these (replicate: HSDP's outer dimension)
+KEY = "parallel.axes"
+DEFAULTS = {"replicate": 1, "shard": -1, "tensor": 1, "pipeline": 1, "context": 1, "expert": 1}  # as RunnerConfig's
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Axis sizes (each >= 1, product = world size). Build it with `Topology.resolve`."""
+
+    replicate: int = 1
+    shard: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+
+    @classmethod
+    def resolve(cls, axes: Mapping[str, Any], world_size: int) -> Topology:
+        """The topology of `parallel.axes` on `world_size` ranks (axes left out take their defaults: shard -1, the
+        others 1); a ConfigError naming the axes, their product and the world size when they do not fit."""
+        check_axes(axes)
+        sizes = {axis: axes.get(axis, DEFAULTS[axis]) for axis in AXES}
+        free = [axis for axis, size in sizes.items() if size == -1]
+        fixed = math.prod(size for size in sizes.values() if size != -1)
+        shown = ", ".join(f"{axis}={size}" for axis, size in sizes.items())
+        if free:
+            if world_size % fixed:
+                raise ConfigError(
+                    KEY,
+                    shown,
+                    f"the fixed axes multiply to {fixed}, which does not divide the world size {world_size}, so "
+                    f"{KEY}.{free[0]}=-1 cannot take the rest; choose axes whose product is {world_size}",
+                )
+            sizes[free[0]] = world_size // fixed
+        elif fixed != world_size:
+            raise ConfigError(
+                KEY,
+                shown,
+                f"the axes multiply to {fixed} but the world size is {world_size}; choose axes whose product is "
+                f"{world_size}, or set one of them to -1 to take the rest",
+            )
+        return cls(**sizes)
+
+    # ---- sizes --------------------------------------------------------------------------------------------------
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.size(axis) for axis in AXES)
+
+    def sizes(self) -> dict[str, int]:
+        """Every axis and its size, in the config's order (what a manifest records)."""
+        return {axis: self.size(axis) for axis in AXES}
+
+    @property
+    def data_size(self) -> int:
+        """Ranks that read different batches (replicate x shard): the sampler's world size."""
+        return self.replicate * self.shard
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether the model itself must be split (tensor, context or expert > 1)."""
+        return any(self.size(axis) > 1 for axis in MODEL_AXES)
+
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """The device mesh's dimensions (name, size), outermost first: the data axes always, others when > 1."""
+        return tuple((axis, self.size(axis)) for axis in MESH_ORDER if axis in DATA_AXES or self.size(axis) > 1)
+
+    def describe(self) -> str:
+        """e.g. `shard 2 x tensor 2 (4 ranks)`: the axes > 1, in the mesh's order."""
+        used = [f"{axis} {self.size(axis)}" for axis in MESH_ORDER if self.size(axis) > 1]
+        ranks = self.world_size
+        return f"{' x '.join(used) or 'shard 1'} ({ranks} rank{'' if ranks == 1 else 's'})"
+
+    # ---- where a rank sits --------------------------------------------------------------------------------------
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Rank `rank`'s position along every axis (0 along axes of size 1)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the topology {self.describe()}")
+        position: dict[str, int] = {}
+        for axis in reversed(MESH_ORDER):
+            rank, position[axis] = divmod(rank, self.size(axis))
+        return {axis: position[axis] for axis in AXES}
+
+    def rank_at(self, coordinates: Mapping[str, int]) -> int:
+        """The rank at a position (axes left out are 0)."""
+        rank = 0
+        for axis in MESH_ORDER:
+            index = coordinates.get(axis, 0)
+            if not 0 <= index < self.size(axis):
+                raise ValueError(f"position {axis}={index} is outside the topology {self.describe()}")
+            rank = rank * self.size(axis) + index
+        return rank
+
+    def data_rank(self, rank: int) -> int:
+        """Which share of the data rank `rank` reads (0 .. data_size - 1): replicate-major, as the sampler counts."""
+        position = self.coordinates(rank)
+        return position["replicate"] * self.shard + position["shard"]
+
+    def stage(self, rank: int) -> int:
+        """Rank `rank`'s position along the pipeline axis."""
+        return self.coordinates(rank)["pipeline"]
+
+    def stream_index(self, rank: int) -> int:
+        """The index of rank `rank`'s random stream: equal for ranks that differ only along the model-parallel axes
+        (tensor, context, expert), distinct otherwise; rank 0's is 0 (the stream of a single-process run)."""
+        position = self.coordinates(rank)
+        return (position["pipeline"] * self.replicate + position["replicate"]) * self.shard + position["shard"]
+
+    def stream_leader(self, rank: int) -> int:
+        """The rank with the same stream as `rank` and position 0 along the model-parallel axes."""
+        return self.rank_at({**self.coordinates(rank), **dict.fromkeys(MODEL_AXES, 0)})
+
+    def peers(self, rank: int, axes: tuple[str, ...]) -> list[int]:
+        """The ranks that differ from `rank` only along `axes` (a reduction domain), in rank order."""
+        position = self.coordinates(rank)
+        ranks = [
+            candidate
+            for candidate in range(self.world_size)
+            if all(self.coordinates(candidate)[axis] == position[axis] for axis in AXES if axis not in axes)
+        ]
+        return ranks
+
+    def local_source(self, rank: int, before: Topology) -> int | None:
+        """Whose rank-local state (RNG, iterable data position) rank `rank` continues after a restore written under
+        topology `before`: itself when nothing changed; else the rank of `before` at the same data rank and pipeline
+        stage, at position 0 of the model-parallel axes (whose ranks shared one stream). None when `before` had no
+        such rank (more data ranks or stages now): that rank's streams are seeded afresh."""
+        if before == self:
+            return rank
+        position = self.coordinates(rank)
+        data, stage = self.data_rank(rank), position["pipeline"]
+        if data >= before.data_size or stage >= before.pipeline:
+            return None
+        replicate, shard = divmod(data, before.shard)
+        return before.rank_at({"replicate": replicate, "shard": shard, "pipeline": stage})
+
+    def to_manifest(self) -> dict[str, int]:
+        return self.sizes()
+
+    @classmethod
+    def from_manifest(cls, record: Any) -> Topology | None:
+        """The topology a manifest recorded, or None (no record, or not a valid one: the manifest is someone else's)."""
+        if not isinstance(record, Mapping) or set(record) != set(AXES):
+            return None
+        if not all(type(record[axis]) is int and 1 <= record[axis] <= 1 << 20 for axis in AXES):
+            return None
+        return cls(**{axis: record[axis] for axis in AXES})
+
+
+def check_axes(axes: Mapping[str, Any]) -> None:
+    """`parallel.axes` without the world size: known axes, integers >= 1 or -1, at most one -1."""
+    unknown = sorted(set(axes) - set(AXES))
+    if unknown:
+        raise ConfigError(f"{KEY}.{unknown[0]}", axes[unknown[0]], f"unknown axis; the axes are {', '.join(AXES)}")
+    for axis, size in axes.items():
+        if type(size) is not int or not (size >= 1 or size == -1):
+            raise ConfigError(f"{KEY}.{axis}", size, "use a number of ranks >= 1, or -1 to take the rest")
+    free = [axis for axis, size in axes.items() if size == -1]
+    if len(free) > 1:
+        shown = ", ".join(f"{axis}=-1" for axis in free)
+        raise ConfigError(
+            KEY, shown, f"at most one axis may be -1 (it takes the ranks the others leave); give {free[1]} a size"
+        )
+
+
+def device_mesh(topology: Topology, device_type: str) -> Any:
+    """The DeviceMesh of `topology` with its dimensions named after the axes (`mesh["tensor"]`, ...), plus
+    `shard_context` (shard x context flattened, what FSDP shards over) when context > 1. Collective: every rank calls
+    it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names, sizes = zip(*topology.mesh_dims())
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    if topology.context > 1:
+        mesh["shard", "context"]._flatten("shard_context")
+    return mesh

@@ -1,0 +1,469 @@
+"""ParallelRunner: FSDP2, tensor and pipeline parallelism on one named DeviceMesh (`stack=parallel`).
+
+    __init__            the process group (also for a single process), the topology from `parallel.axes`, and every
+                        check of the configuration (a ConfigError before anything is written)
+    distribute_model    the user's whole model, optimizer, scheduler and EMA become this rank's share:
+                          split into pipeline stages (`split_pipeline`)
+                          -> per stage: model parallelism (`parallelize_model`: the model's `parallelize(mesh)`)
+                          -> activation checkpointing -> compile (per block) -> FSDP2 (per block, then the stage)
+                          -> the optimizer rebuilt over the new parameters by name, the scheduler rebound, the EMA
+                             rebuilt (sharded like the model)
+    the loop            BaseRunner's: `forward_backward` runs the pipeline schedule when there is one; gradient
+                        clipping takes the norm over the whole mesh; the non-finite skip is agreed by every rank
+    checkpoints         DCP (`ParallelCheckpointManager`): FQN-keyed shards of model, optimizer and EMA, every rank
+                        entering, the topology in the manifest; a checkpoint loads on any topology
+    export              `model.pth` with the whole model's full weights, gathered to rank 0
+
+Random streams: ranks that differ only along the model-parallel axes (tensor, context, expert) draw the same stream;
+every data rank and pipeline stage draws its own (`Topology.stream_index`). The data position is kept per data rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from perdure.checkpoints.base import CheckpointManager, Stateful
+from perdure.checkpoints.resolve import CheckpointInfo
+from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
+from perdure.checkpoints.source import RestoreSource
+from perdure.distributed.collectives import all_gather_object
+from perdure.distributed.grad_norm import clip_grad_norm
+from perdure.distributed.process_group import init_process_group, select_backend
+from perdure.distributed.topology import Topology, device_mesh
+from perdure.errors import ConfigError, PerdureError
+from perdure.runners.checkpointing import load_matching_weights
+from perdure.runners.ema import ExponentialMovingAverage
+from perdure.runners.export import read_weights
+from perdure.runners.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    apply_model_parallel,
+    find_blocks,
+    mixed_precision_policy,
+)
+from perdure.runners.pipeline import (
+    ModelParts,
+    Pipeline,
+    PositionOnly,
+    check_cover,
+    check_microbatches,
+    split_model,
+    stage_indices,
+)
+from perdure.runners.rebind import group_names, rebind_scheduler, rebuild_optimizer
+from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
+
+
+class ParallelRunner(TorchRunner):
+    """FSDP2 x tensor x pipeline parallelism; see the module docstring and docs/parallel.md."""
+
+    checkpoint_manager_class = ParallelCheckpointManager
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        # DTensor warns at every multi-step redistribution (a 2-D norm, a 2-D gather for the export) that it could be
+        # faster on a flattened mesh: advice for torch, not for the user; the runner agrees such values itself.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        self.mesh: Any = None  # the DeviceMesh, built in `distribute_model`
+        self.model_parts: list[nn.Module] = []  # this rank's stages (one without a pipeline)
+        self.pipeline: Pipeline | None = None
+
+    # ---- process group, topology and the checks made before anything is written ---------------------------------
+
+    def init_distributed(self) -> tuple[int, int]:
+        """Join the process group (a single process gets a group of its own: the device mesh needs one), resolve the
+        topology and check the configuration against it."""
+        rank, world_size = init_process_group(self.config.dist.backend, self.config.dist.timeout)
+        if not dist.is_initialized():
+            store = dist.HashStore()
+            dist.init_process_group(select_backend(self.config.dist.backend), store=store, rank=0, world_size=1)
+        self.topology = Topology.resolve(self.config.parallel.axes, world_size)
+        self.check_parallel_config()
+        return rank, world_size
+
+    def check_parallel_config(self) -> None:
+        """Called in `__init__` once the topology is known, before anything is written: refuse what this stack
+        cannot run, naming the key and the fix."""
+        config, topology = self.config, self.topology
+        if config.ckpt.backend not in ("auto", "dcp"):
+            fix = "the parallel stack saves sharded state through DCP (reshardable); use auto or dcp"
+            raise ConfigError("ckpt.backend", config.ckpt.backend, fix)
+        if config.parallel.fsdp.offload and not torch.cuda.is_available():
+            fix = "offloading keeps sharded state on the CPU instead of the GPU; without CUDA it is there already"
+            raise ConfigError("parallel.fsdp.offload", True, fix)
+        if config.precision == "fp16":
+            fix = "the parallel stack has no sharded gradient scaler for fp16; use bf16 (no loss scaling needed)"
+            raise ConfigError("precision", "fp16", fix)
+        if topology.pipeline == 1:
+            return
+        for method in ("train_step", "evaluate_step"):
+            if getattr(type(self), method) is not getattr(ParallelRunner, method):
+                raise ConfigError(
+                    "parallel.axes.pipeline",
+                    topology.pipeline,
+                    f"{type(self).__name__} overrides {method}, which pipeline parallelism never calls: the schedule "
+                    "runs the stages, and the loss is the criterion's (self.criterion(output, target)) on the last "
+                    "stage. Move the loss into self.criterion, or set parallel.axes.pipeline to 1",
+                )
+        pipeline = config.parallel.pipeline
+        check_microbatches(
+            pipeline.schedule, self.microbatches(), self.num_stages(), config.loader_options("train")["batch_size"]
+        )
+
+    def num_stages(self) -> int:
+        return self.topology.pipeline * self.config.parallel.pipeline.virtual_stages
+
+    def microbatches(self) -> int:
+        """`parallel.pipeline.microbatches`, or one per stage (the fewest 1F1B runs with)."""
+        return self.config.parallel.pipeline.microbatches or self.num_stages()
+
+    def _checkpoint_manager(self, token: str = "") -> CheckpointManager:
+        manager = super()._checkpoint_manager(token)
+        manager.identity["topology"] = self.topology.to_manifest()  # into every manifest
+        return manager
+
+    # ---- where this rank sits --------------------------------------------------------------------------------------
+
+    def random_stream(self) -> int:
+        return self.topology.stream_index(self.rank)
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.topology.data_rank(self.rank), self.topology.data_size
+
+    # ---- sharding the model ----------------------------------------------------------------------------------------
+
+    def distribute_model(self) -> None:
+        """Shard the whole model the user built (see the module docstring for the order), then rebuild the optimizer
+        over this rank's parameters, rebind the scheduler and rebuild the EMA."""
+        model = self.model
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # compiled by hand: compile.* applies per block
+            model = model._orig_mod
+        names = group_names(self.optimizer, model)
+        if self.restore_source.kind == "pretrained":  # into the whole model, under its own names, before any split
+            load_matching_weights(model, self._pretrained_weights, self.restore_source.path)
+            del self._pretrained_weights
+        self.mesh = device_mesh(self.topology, self.device.type)
+        parts = self.split_pipeline(model, self.mesh) if self.topology.pipeline > 1 else [model]
+        for part in parts:
+            self.parallelize_model(part, self.mesh)
+            self.apply_activation_checkpointing(part)
+            if self.config.compile.enabled:
+                apply_compile(self.model_blocks(part), self.config.compile.backend, self.config.compile.mode)
+            apply_fsdp(part, self.model_blocks(part), self.fsdp_mesh(), **self.fsdp_kwargs())
+        self.model_parts = parts
+        self.model = parts[0] if len(parts) == 1 else ModelParts(parts)
+        old = self.optimizer
+        self.optimizer = rebuild_optimizer(old, names, {n: p for part in parts for n, p in part.named_parameters()})
+        if self.scheduler is not None:
+            rebind_scheduler(self.scheduler, old, self.optimizer)
+        if self.ema is not None:
+            self.ema = ExponentialMovingAverage(self.model, self.ema.decay)
+        if self.topology.pipeline > 1:
+            self.pipeline = self._build_pipeline(parts)
+        held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.model.parameters())
+        self.logger.info("parallel: %s; rank 0 holds %d parameter values", self.topology.describe(), held)
+
+    def split_pipeline(self, model: nn.Module, mesh: Any) -> list[nn.Module]:
+        """Called in `distribute_model` when `parallel.axes.pipeline` > 1: this rank's stages of the whole model.
+
+        Default: `model.pipeline_stage(stage_index, num_stages)` per stage this rank holds, each checked to keep the
+        whole model's parameter names and shapes, and all stages together checked to hold every parameter once. An
+        override must keep those names (checkpoints match tensors by them) and must not shard anything.
+        """
+        position = mesh["pipeline"].get_local_rank()
+        indices = stage_indices(position, self.topology.pipeline, self.config.parallel.pipeline.virtual_stages)
+        parts = split_model(model, indices, self.num_stages())
+        held = {index: [name for name, _ in part.named_parameters()] for index, part in zip(indices, parts)}
+        by_stage: dict[int, list[str]] = {}
+        for stages in all_gather_object(held):  # the same on every rank: each stage's names, once per data rank
+            by_stage.update(stages)
+        check_cover(by_stage, [name for name, _ in model.named_parameters()])
+        return parts
+
+    def parallelize_model(self, model: nn.Module, mesh: Any) -> None:
+        """Called in `distribute_model` for each stage (the whole model without a pipeline), before activation
+        checkpointing, compile and FSDP: apply tensor / context / expert parallelism in place.
+
+        Default: `model.parallelize(mesh)` when any of those axes is > 1 (the mesh has dimensions named after them:
+        `mesh["tensor"]`, ...); a model without that method is refused with a ConfigError, never trained unsplit.
+        An override must keep parameter names and must not apply FSDP (the runner does, afterwards).
+        """
+        apply_model_parallel(model, mesh, self.topology)
+
+    def model_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The repeated blocks of a model or stage, the units of activation checkpointing, compile and FSDP.
+
+        Default: the children of its `layers` or `blocks` container (nn.ModuleDict / nn.ModuleList); none otherwise
+        (the model is then one FSDP unit). Must return the same blocks each time it is called.
+        """
+        return find_blocks(model)
+
+    def apply_activation_checkpointing(self, model: nn.Module) -> None:
+        """Called after `parallelize_model`: with `parallel.activation_checkpointing`, recompute each block's
+        activations in the backward. Must keep parameter names (wrap `forward`, do not add wrapper modules)."""
+        if not self.config.parallel.activation_checkpointing:
+            return
+        blocks = self.model_blocks(model)
+        if not blocks:
+            raise ConfigError(
+                "parallel.activation_checkpointing",
+                True,
+                f"{type(model).__name__} has no blocks (a `layers` or `blocks` ModuleDict / ModuleList) to checkpoint; "
+                "override ParallelRunner.model_blocks, or set it to false",
+            )
+        apply_activation_checkpointing(blocks)
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """Options of `fully_shard` for every block and stage: the mixed-precision policy of `precision` (bf16
+        parameters and compute, fp32 gradient reduction), CPU offload (`parallel.fsdp.offload`) and
+        `parallel.fsdp.reshard_after_forward`. Override to change them; the mesh is the runner's."""
+        fsdp = self.config.parallel.fsdp
+        return {
+            "mp_policy": mixed_precision_policy(self.config.precision),
+            "offload": fsdp.offload,
+            "reshard_after_forward": fsdp.reshard_after_forward,
+        }
+
+    def fsdp_mesh(self) -> Any:
+        """The mesh FSDP shards over: the data axes (replicate x shard: HSDP when replicate > 1), with the context
+        axis folded into shard (context-parallel ranks hold parts of the same sequences: their gradients sum)."""
+        shard = "shard_context" if self.topology.context > 1 else "shard"
+        return self.mesh["replicate", shard] if self.topology.replicate > 1 else self.mesh[shard]
+
+    def _build_pipeline(self, parts: list[nn.Module]) -> Pipeline:
+        position = self.topology.coordinates(self.rank)
+        last = self.topology.rank_at({**position, "pipeline": self.topology.pipeline - 1})
+        indices = stage_indices(position["pipeline"], self.topology.pipeline, len(parts))
+        return Pipeline(
+            parts,
+            indices,
+            self.num_stages(),
+            group=self.mesh["pipeline"].get_group(),
+            last_rank=last,
+            device=self.device,
+            schedule=self.config.parallel.pipeline.schedule,
+            microbatches=self.microbatches(),
+            criterion=self.criterion,
+        )
+
+    def wrap_model(self) -> None:
+        """Nothing left to wrap: `distribute_model` sharded the model before the restore."""
+
+    def build_dataloaders(self) -> None:
+        """As every stack's, sharded by data rank; a middle pipeline stage (neither first nor last) reads no samples,
+        only their positions, so it keeps and restores the data position of its data rank without loading data."""
+        position = self.topology.coordinates(self.rank)["pipeline"]
+        if not 0 < position < self.topology.pipeline - 1:
+            super().build_dataloaders()
+            self._check_last_batch()
+            return
+        datasets = self.datasets
+        self.datasets = {
+            split: PositionOnly(dataset) if not isinstance(dataset, torch.utils.data.IterableDataset) else dataset
+            for split, dataset in datasets.items()
+        }
+        try:
+            super().build_dataloaders()
+        finally:
+            self.datasets = datasets
+
+    def _check_last_batch(self) -> None:
+        """Under pipeline parallelism every training batch is cut into equal microbatches: refuse, before anything
+        is written, an epoch whose last batch cannot be (it would fail when the epoch ends)."""
+        loader = self.dataloaders["train"]
+        if self.pipeline is None or loader.sampler is None or loader.loader.drop_last:
+            return
+        last = (loader.sampler.total_size // loader.world_size) % loader.batch_size
+        if last % self.microbatches():
+            raise ConfigError(
+                "dataloader.drop_last",
+                False,
+                f"the last training batch of an epoch holds {last} samples per data rank, which "
+                f"parallel.pipeline.microbatches={self.microbatches()} does not divide into equal microbatches; set "
+                "--dataloader.drop_last true (or a dataset size the batches divide)",
+            )
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+
+    def autocast(self) -> AbstractContextManager:
+        """No autocast: FSDP2's mixed-precision policy casts the parameters (`fsdp_kwargs`)."""
+        return NO_CONTEXT
+
+    def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
+        """FSDP2 reduce-scatters the gradients of the last micro-batch of a window only (as DDP's `no_sync`)."""
+        if last_micro_batch or self.pipeline is not None:
+            return NO_CONTEXT
+        return self._gradient_sync_off()
+
+    @contextlib.contextmanager
+    def _gradient_sync_off(self) -> Iterator[None]:
+        modules = [part for part in self.model_parts if isinstance(part, FSDPModule)]
+        for module in modules:
+            module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True)
+
+    def forward_backward(self, window: list[Any]) -> torch.Tensor:
+        """Without a pipeline, BaseRunner's. With one, the schedule runs forward and backward of each batch of the
+        window (cut into microbatches) over the stages; the loss is the criterion's on the last stage, shared with
+        every stage of the pipeline."""
+        if self.pipeline is None:
+            return super().forward_backward(window)
+        return self.pipeline.train_window([self._pipeline_batch(batch) for batch in window])
+
+    def _pipeline_batch(self, batch: Any) -> tuple[Any, Any, int]:
+        from perdure.data.batch import batch_length
+
+        size = batch_length(batch)
+        if not (self.pipeline.is_first or self.pipeline.is_last):
+            return None, None, size
+        inputs, target = self.unpack_batch(batch)
+        return inputs, target, size
+
+    def evaluate_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
+        if self.pipeline is None:
+            return super().evaluate_step(batch)
+        inputs, target, size = self._pipeline_batch(batch)
+        return {"loss": self.pipeline.evaluate_batch(inputs, target, size)}
+
+    def evaluate_steps(self, split: str, steps: int | None = None) -> dict[str, float]:
+        """As every stack's, except that every data rank evaluates the same number of batches: FSDP gathers the
+        parameters of each forward collectively, so a data rank with one batch more (an uneven share of the split)
+        would wait forever. The split's last batches beyond that common count (fewer than one sample per data rank)
+        are left out."""
+        common = min(all_gather_object(len(self.dataloaders[split])))
+        return super().evaluate_steps(split, common if steps is None else min(steps, common))
+
+    def infer(self, split: str) -> torch.Tensor:
+        if self.pipeline is not None:
+            raise PerdureError("infer() runs the model as one module; under pipeline parallelism export the weights "
+                               "(model.pth) and load them with --pretrained on one process instead")  # fmt: skip
+        counts = all_gather_object(len(self.dataloaders[split]))
+        if len(set(counts)) > 1:
+            raise PerdureError(
+                f"infer({split!r}): the data ranks hold {counts} batches of the split, but FSDP runs every forward on "
+                "every data rank together; use a split the data ranks divide evenly, or infer on one process from "
+                "the exported model.pth"
+            )
+        return super().infer(split)
+
+    def clip_and_check_gradients(self, parameters: list[torch.Tensor]) -> bool:
+        """Clipping takes the norm over the whole mesh (every shard, every stage); the finite check looks at this
+        rank's shards (the optimizer step then agrees it over every rank)."""
+        if self.config.max_grad_norm:
+            group = self.pipeline.group if self.pipeline is not None else None
+            return bool(torch.isfinite(clip_grad_norm(parameters, self.config.max_grad_norm, group)))
+        if self.config.skip_nonfinite_grad:
+            grads = [p.grad for p in parameters if p.grad is not None]
+            return self._grads_finite([grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads])
+        return True
+
+    # ---- checkpoints and exports ---------------------------------------------------------------------------------
+
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        """BaseRunner's objects, with the model and optimizer as this rank's shards under the whole model's names."""
+        states = super().checkpoint_states()
+        states["model"] = ShardedModel(self.model_parts)
+        states["optimizer"] = ShardedOptimizer(self.model_parts, self.optimizer)
+        return states
+
+    def restore(self, source: RestoreSource) -> None:
+        if source.kind == "pretrained":  # loaded into the whole model in `distribute_model`, before it was sharded
+            self.logger.info("%s", source.describe())
+            return
+        super().restore(source)
+
+    def load_pretrained(self, path: Path, ema: bool = False) -> None:
+        """Load full model (or EMA) weights into the sharded model: every rank reads the file, keeps its shards."""
+        weights = read_weights(Path(path), ema=ema)
+        full = StateDictOptions(full_state_dict=True)
+        for part in self.model_parts:
+            own = {key: weights[key] for key in part.state_dict() if key in weights}
+            missing = [key for key in part.state_dict() if key not in weights]
+            if missing:
+                raise PerdureError(f"the weights in {path} lack {', '.join(missing[:5])} of this model")
+            set_model_state_dict(part, own, options=full)
+
+    def _note_topology(self, info: CheckpointInfo) -> None:
+        """A resume on another topology: say what changed (the global batch follows the data ranks)."""
+        before = Topology.from_manifest(info.manifest.get("topology"))
+        if before is None:
+            world_size = info.manifest.get("world_size")
+            before = Topology(shard=world_size) if type(world_size) is int and world_size > 0 else None
+        if before is None or before == self.topology:
+            return
+        per_rank = self.config.loader_options("train")["batch_size"] * self.config.accum_steps
+        self._topology_change = {
+            "world_size": [before.world_size, self.world_size],
+            "axes": [before.sizes(), self.topology.sizes()],
+            "global_batch": [per_rank * before.data_size, per_rank * self.topology.data_size],
+        }
+        if not self.is_main_process:
+            return
+        now, was = per_rank * self.topology.data_size, per_rank * before.data_size
+        batch = f"stays {now}" if now == was else f"changes from {was} to {now}"
+        self.logger.warning(
+            "TOPOLOGY CHANGE: %s was written on %s, this attempt runs on %s: the global batch %s samples per "
+            "optimizer step (%d data rank%s); the data position continues from the same sample; model, optimizer "
+            "and EMA are resharded by DCP",
+            info.name,
+            before.describe(),
+            self.topology.describe(),
+            batch,
+            self.topology.data_size,
+            "" if self.topology.data_size == 1 else "s",
+        )
+
+    def export_model(self) -> Path | None:
+        """Gather the full weights of the whole model (DCP's full-state-dict options; with a pipeline, each stage's
+        from the rank at its position 0 of the data and model axes) and write them on rank 0."""
+        gathered = self._full_weights(
+            lambda part: get_model_state_dict(part, options=self._full_options()), self.model_parts
+        )
+        ema = None
+        if self.ema is not None:
+            ema = self._full_weights(lambda shadow: _full_tensors(shadow), [self.ema.shadow])
+        if not self.is_main_process:
+            return None
+        return self.write_exports(gathered, ema)
+
+    def _full_options(self) -> StateDictOptions:
+        # With one stage, rank 0 gathers everything and the others keep nothing (cpu_offload); with a pipeline, the
+        # first rank of each stage needs its stage's full tensors to send them on.
+        return StateDictOptions(full_state_dict=True, cpu_offload=self.topology.pipeline == 1)
+
+    def _full_weights(self, full: Any, sources: list[Any]) -> dict[str, torch.Tensor]:
+        weights: dict[str, torch.Tensor] = {}
+        for source in sources:
+            weights.update(full(source))
+        if self.topology.pipeline == 1:
+            return {key: value.cpu() for key, value in weights.items()} if self.is_main_process else {}
+        sends = self.topology.stream_leader(self.rank) == self.rank and self.topology.data_rank(self.rank) == 0
+        local = {key: value.cpu() for key, value in weights.items()} if sends else {}
+        received: list[Any] | None = [None] * self.world_size if self.is_main_process else None
+        dist.gather_object(local, received, dst=0)
+        merged: dict[str, torch.Tensor] = {}
+        for part in received or []:
+            merged.update(part)
+        return merged
+
+
+def _full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every DTensor of a state dict gathered into a full tensor (collective over its mesh), the rest as is."""
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}

@@ -1,0 +1,104 @@
+"""How the parallel stack shards one model (or one pipeline stage), in TorchTitan's order:
+
+    model parallelism (tensor / context / expert: the model's own `parallelize(mesh)`)
+      -> activation checkpointing (per block) -> compile (per block) -> FSDP2 (per block, then the root)
+
+Each step is one function. None of them renames a parameter: activation checkpointing wraps a block's `forward` in
+place (no `_checkpoint_wrapped_module.`), compile uses `nn.Module.compile` (no `_orig_mod.`), and FSDP2 keeps names,
+so checkpoints and exports hold the names of the user's model on every stack.
+
+"Blocks" are the repeated units of a model (transformer layers): the children of its `layers` or `blocks` container
+(`nn.ModuleDict` or `nn.ModuleList`). A model without one is sharded as a whole (one FSDP unit) and cannot use
+activation checkpointing or per-block compile; `ParallelRunner.model_blocks` is the override point.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from perdure.distributed.topology import MODEL_AXES, Topology
+from perdure.errors import ConfigError
+
+BLOCK_CONTAINERS = ("layers", "blocks")
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the model's `layers` / `blocks` container (ModuleDict or ModuleList), else none."""
+    for name in BLOCK_CONTAINERS:
+        container = model._modules.get(name)
+        if isinstance(container, (nn.ModuleDict, nn.ModuleList)):
+            return [block for block in container.children()]
+    return []
+
+
+def apply_model_parallel(model: nn.Module, mesh: Any, topology: Topology) -> None:
+    """Tensor, context and expert parallelism are the model's business: call `model.parallelize(mesh)` when any of
+    those axes is > 1. A model without that method is refused: training it unsplit would silently be a no-op."""
+    if not topology.model_parallel:
+        return
+    axes = ", ".join(f"{axis}={topology.size(axis)}" for axis in MODEL_AXES if topology.size(axis) > 1)
+    parallelize = getattr(type(model), "parallelize", None)
+    if not callable(parallelize):
+        raise ConfigError(
+            "parallel.axes",
+            axes,
+            f"{type(model).__name__} has no parallelize(mesh) method, so it cannot be split along {axes}; give it "
+            "one (e.g. a tensor-parallel plan with torch.distributed.tensor.parallel.parallelize_module on "
+            "mesh['tensor']), or set those axes to 1",
+        )
+    model.parallelize(mesh)
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
+    """Recompute each block's activations in the backward instead of keeping them (non-reentrant checkpoint; the
+    random state is restored for the recomputation, so dropout masks are the same and the maths does not change)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        forward = block.forward
+        block.forward = functools.wraps(forward)(functools.partial(checkpoint, forward, use_reentrant=False))
+
+
+def apply_compile(blocks: list[nn.Module], backend: str, mode: str | None) -> None:
+    """`torch.compile` each block in place (`nn.Module.compile`: parameter names do not change)."""
+    for block in blocks:
+        block.compile(backend=backend, mode=mode)
+
+
+def mixed_precision_policy(precision: str) -> Any:
+    """FSDP2's policy for `precision`: parameters (and so the compute) in bf16 / fp16, gradients reduced in fp32;
+    fp32 keeps everything in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision not in PARAM_DTYPES:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh: Any,
+    *,
+    mp_policy: Any,
+    offload: bool,
+    reshard_after_forward: bool,
+) -> None:
+    """`fully_shard` every block, then the root (which takes the parameters no block holds). `mesh` is the data mesh
+    (1-D: FSDP; 2-D replicate x shard: HSDP). The root is not resharded after the forward: its backward comes next."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    options: dict[str, Callable | Any] = {
+        "mesh": mesh,
+        "mp_policy": mp_policy,
+        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+    }
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, reshard_after_forward=False, **options)
