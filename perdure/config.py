@@ -22,7 +22,6 @@ from typing_extensions import Self
 from perdure import config_help, config_text
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
-from perdure.ft.config import DEFAULTS as FT_DEFAULTS
 from perdure.ft.config import check_ft
 from perdure.safe_io import MAX_YAML_BYTES, UnsafeFileError, escape_terminal, load_yaml, loads_json, read_regular
 
@@ -171,8 +170,15 @@ class RunnerConfig(chanfig.Config):
         self.deepspeed.offload_optimizer = False  # ZeRO-Offload of optimizer states to the CPU
         self.deepspeed.offload_param = False  # ZeRO-3 parameter offload to the CPU
         self.deepspeed.config = None  # raw DeepSpeed settings: a dict, or a JSON / YAML file
-        for key, value in FT_DEFAULTS.items():  # TorchFT replica groups: see perdure/ft/config.py
-            self.ft[key] = value
+        # TorchFT replica groups (docs/fault-tolerance.md); this section is no part of the run's config identity.
+        self.ft.enabled = False  # train as one replica group of a fault-tolerant job
+        self.ft.replica_id = 0  # this group's id, from 0 to ft.group_size - 1
+        self.ft.group_size = 1  # replica groups of the job: the training data is sharded over all of them
+        self.ft.min_replica_size = 1  # a step commits only when at least this many groups take part
+        self.ft.lighthouse = None  # the lighthouse address http://HOST:PORT; None: $TORCHFT_LIGHTHOUSE
+        self.ft.timeout = 60.0  # seconds a cross-group all-reduce, the commit vote or a heal may take
+        self.ft.quorum_timeout = 60.0  # seconds a quorum may take before the group stops with an error
+        self.ft.heartbeat_interval = 0.1  # seconds between the group's heartbeats to the lighthouse
         # stack=parallel (docs/parallel.md). Ranks per axis; their product is the world size, one may be -1 (the rest).
         self.parallel.axes.replicate = 1  # whole-model replicas (HSDP's outer dimension)
         self.parallel.axes.shard = -1  # FSDP2 shards of parameters, gradients and optimizer state; -1: the rest

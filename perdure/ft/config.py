@@ -28,17 +28,6 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 FT_EXTRA_HINT = "torchft is not installed: pip install 'perdure[ft]'"
 _ADDRESS = re.compile(r"^https?://[^\s/:]+(:\d{1,5})?/?$|^https?://\[[0-9a-fA-F:.]+\](:\d{1,5})?/?$")
 
-DEFAULTS: dict[str, Any] = {
-    "enabled": False,
-    "replica_id": 0,
-    "group_size": 1,
-    "min_replica_size": 1,
-    "lighthouse": None,
-    "timeout": 60.0,
-    "quorum_timeout": 60.0,
-    "heartbeat_interval": 0.1,
-}
-
 # Why a stack cannot train as a replica group (yet): FT must own the gradient all-reduce across groups and gate the
 # optimizer step on the groups' vote.
 UNSUPPORTED_STACKS = {
