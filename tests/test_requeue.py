@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from perdure.checkpoints.commit import read_pointer
 from perdure.workspace.launch import Launch, current_launch, entry_path, read_entry, write_entry
 from perdure.workspace.sidecar import read_sidecar
 from tests.runs import SCRIPTS, assert_ok, assert_same_weights, environment, read_losses
@@ -150,7 +151,8 @@ def test_a_manual_rerun_after_a_commit_names_the_run_it_could_continue(repo, tmp
     fresh = train(repo, root, "--steps", "5")  # a new run: said out loud, with the option that continues the old one
     assert_ok(fresh)
     warning = next(line for line in fresh.stdout.splitlines() if "same lineage and config" in line)
-    assert str(stopped) in warning and "step 10" in warning and f"code {before}" in warning
+    saved = int(read_pointer(stopped / "checkpoints", "latest").removeprefix("ckpt-s"))  # the step SIGTERM saved
+    assert str(stopped) in warning and f"(step {saved}, code {before}" in warning, warning
     assert f"--workspace.code_id {before}" in warning
     assert len(run_dirs(root)) == 2
 

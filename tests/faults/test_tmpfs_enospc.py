@@ -41,7 +41,7 @@ def reference(tmp_path_factory):
 @pytest.fixture
 def small_disk(reference, tmp_path):
     checkpoints = run_dir(reference) / "checkpoints"
-    one = usage(checkpoints / "ckpt-s000000000010")
+    one = usage(committed_checkpoints(checkpoints)[-1])  # every checkpoint has the same size
     rest = usage(run_dir(reference)) - usage(checkpoints) - usage(run_dir(reference) / "model.pth")
     disk = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
     if not mount_tmpfs(disk, f"{(rest + 5 * one // 2) // 1024}k"):
