@@ -20,12 +20,21 @@ from perdure.ft.runner import FaultTolerant
 from perdure.runners.base import BaseRunner
 from perdure.runners.compile import plain_state_dict, strip_compile_prefix
 from perdure.runners.deepspeed_runner import DeepSpeedRunner
-from perdure.runners.parallel_runner import ParallelRunner
 from perdure.runners.runner import Runner
 from perdure.runners.state import RunnerState
 from perdure.runners.torch_runner import TorchRunner
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> type:
+    """`perdure.ParallelRunner`, imported on first use (FSDP and DTensor imports cost half a second a process)."""
+    if name == "ParallelRunner":
+        from perdure.runners.parallel_runner import ParallelRunner
+
+        return ParallelRunner
+    raise AttributeError(f"module 'perdure' has no attribute {name!r}")
+
 
 __all__ = [
     "BaseRunner",

@@ -52,12 +52,8 @@ from perdure.checkpoints.async_save import AsyncSaver, _raise_open_file_limit
 from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, write_file
 from perdure.checkpoints.file import local_file, read_local_states
-from perdure.checkpoints.safe_unpickle import (
-    RestrictedFileSystemReader,
-    RestrictedLoadPlanner,
-    load_torch_file,
-    read_dcp_metadata,
-)
+from perdure.checkpoints.safe_dcp import RestrictedFileSystemReader, RestrictedLoadPlanner, read_dcp_metadata
+from perdure.checkpoints.safe_unpickle import load_torch_file
 from perdure.checkpoints.save_errors import save_failure
 from perdure.errors import CheckpointCorruptError, CheckpointError
 
@@ -214,7 +210,7 @@ class DCPCheckpointManager(CheckpointManager):
 
 
 def _restricted_load(state: dict[str, Any], path: Path, files: dict[str, Any] | None, *, no_dist: bool) -> None:
-    """`dcp.load` through the allow-listed reader and planner (see `safe_unpickle.py`): nothing in the checkpoint
+    """`dcp.load` through the allow-listed reader and planner (see `safe_dcp.py`): nothing in the checkpoint
     can run code. A refusal inside DCP (which wraps errors in CheckpointException) surfaces as the CheckpointError."""
     reader = RestrictedFileSystemReader(path, files)
     try:

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import errno
 import shutil
+import sys
 from pathlib import Path
-
-from torch.distributed.checkpoint.api import CheckpointException
 
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError
 
@@ -27,6 +26,7 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 def io_cause(error: BaseException) -> OSError | None:
     """The `OSError` behind `error`: itself, one in its `__cause__` / `__context__` chain, or one that a DCP
     `CheckpointException` reports for any rank. None when the failure is not an I/O failure."""
+    dcp = sys.modules.get("torch.distributed.checkpoint.api")  # not loaded: no CheckpointException can exist
     stack: list[BaseException | None] = [error]
     seen: set[int] = set()
     while stack:
@@ -36,7 +36,9 @@ def io_cause(error: BaseException) -> OSError | None:
         seen.add(id(current))
         if isinstance(current, OSError):
             return current
-        if isinstance(current, CheckpointException):  # each failed rank's (exception, traceback)
+        if dcp is not None and isinstance(
+            current, dcp.CheckpointException
+        ):  # each failed rank's (exception, traceback)
             stack.extend(item[0] if isinstance(item, tuple) else item for item in current.failures.values())
         stack.extend((current.__context__, current.__cause__))
     return None

@@ -10,6 +10,7 @@ the loop waits for them on the device, not on the host (see staging.py for the p
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,15 +20,18 @@ import torch
 
 from perdure.checkpoints.staging import CopyFence, Staging
 
-try:  # sharded tensors (FSDP2, tensor parallelism): a snapshot copies this rank's shard and keeps the layout
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch build without torch.distributed
-    DTensor = None
+
+def is_dtensor(tensor: Any) -> bool:
+    """A sharded tensor (FSDP2, tensor parallelism), whose snapshot copies this rank's shard and keeps the layout.
+    `torch.distributed.tensor` is looked up, never imported (half a second per process): if no one loaded it, no
+    DTensor exists."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (what it saves and copies), else the tensor itself."""
-    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -138,7 +142,9 @@ class Snapshot:
         return copy.deepcopy(tree)
 
     def _copy_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        if DTensor is not None and isinstance(tensor, DTensor):
+        if is_dtensor(tensor):
+            from torch.distributed.tensor import DTensor
+
             shard = self._copy_tensor(tensor.to_local())
             layout = {"shape": tensor.shape, "stride": tensor.stride(), "run_check": False}
             return DTensor.from_local(shard, tensor.device_mesh, tensor.placements, **layout)

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from perdure.errors import StackNotAvailableError
 from perdure.runners.base import BaseRunner, RunnerMeta
-from perdure.runners.deepspeed_runner import DeepSpeedRunner
-from perdure.runners.parallel_runner import ParallelRunner
-from perdure.runners.torch_runner import TorchRunner
 
-STACKS: dict[str, type[BaseRunner]] = {
-    "torch": TorchRunner,
-    "parallel": ParallelRunner,
-    "deepspeed": DeepSpeedRunner,
-    "ds": DeepSpeedRunner,
+# The module and class of each stack, imported when a runner of that stack is built: the parallel stack's imports
+# (FSDP, DTensor, DCP's state-dict helpers) cost half a second that a torch-stack process never pays.
+STACKS: dict[str, tuple[str, str]] = {
+    "torch": ("perdure.runners.torch_runner", "TorchRunner"),
+    "parallel": ("perdure.runners.parallel_runner", "ParallelRunner"),
+    "deepspeed": ("perdure.runners.deepspeed_runner", "DeepSpeedRunner"),
+    "ds": ("perdure.runners.deepspeed_runner", "DeepSpeedRunner"),
 }
 
 
 def stack_class(stack: str) -> type[BaseRunner]:
     """The runner class for `config.stack`, or a clear error for a stack this version does not have."""
     if stack in STACKS:
-        return STACKS[stack]
+        module, name = STACKS[stack]
+        return getattr(importlib.import_module(module), name)
     raise StackNotAvailableError(f"config key 'stack' = {stack!r}: unknown stack; use one of {', '.join(STACKS)}")
 
 
