@@ -32,9 +32,9 @@ _ADDRESS = re.compile(r"^https?://[^\s/:]+(:\d{1,5})?/?$|^https?://\[[0-9a-fA-F:
 # optimizer step on the groups' vote.
 UNSUPPORTED_STACKS = {
     "parallel": (
-        "FT with the parallel stack needs HSDP (the replicate dimension of the device mesh is the FT dimension), "
-        "coming with the ParallelRunner's HSDP support; FSDP alone, tensor and pipeline parallelism cannot train "
-        "as replica groups. Use stack=torch (one process or DDP inside each group)"
+        "FT with the parallel stack needs the mesh's replicate dimension to span the replica groups (HSDP across "
+        "groups), which this version does not do: FSDP, tensor and pipeline parallelism cannot train as replica "
+        "groups yet. Use stack=torch (one process or DDP inside each group)"
     ),
     "deepspeed": (
         "DeepSpeed's engine owns the gradient all-reduce and the optimizer step, which FT must gate on the groups' "
