@@ -50,7 +50,7 @@ def test_bad_ft_configs_fail_with_the_key_and_the_fix(monkeypatch):
     error = parse_error("--ft.lighthouse", LIGHTHOUSE, "--ft.min_replica_size", "2")
     assert error.key == "ft.min_replica_size"
     error = parse_error("--ft.lighthouse", LIGHTHOUSE, "--stack", "parallel")
-    assert error.key == "stack" and "needs HSDP" in str(error) and "stack=torch" in str(error)
+    assert error.key == "stack" and "HSDP across groups" in str(error) and "stack=torch" in str(error)
     error = parse_error("--ft.lighthouse", LIGHTHOUSE, "--stack", "deepspeed")
     assert error.key == "stack" and "DeepSpeed" in str(error)
     error = parse_error("--ft.lighthouse", LIGHTHOUSE, "--ft.timeout", "0")
