@@ -22,7 +22,8 @@ PINNED_CODE = ("--workspace.code_id", "tests")
 
 def environment(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("PERDURE_")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+    # PYTHONFAULTHANDLER: a process that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack.
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"})
     env.update({key: str(value) for key, value in extra.items()})
     return env
 
@@ -109,7 +110,9 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 def assert_all_ok(results: list[subprocess.CompletedProcess]) -> None:
     """Every rank of a multi-rank launch exited 0."""
     for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank} exited {result.returncode}:\n{result.stdout}"
+        assert result.returncode == 0, (
+            f"rank {rank} exited {result.returncode}:\n{result.stdout}\n{result.stderr[-4000:]}"
+        )
 
 
 def free_port() -> int:
