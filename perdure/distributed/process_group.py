@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 from datetime import timedelta
 
@@ -36,17 +35,7 @@ def init_process_group(backend: str = "auto", timeout_s: float = 600) -> tuple[i
     if chosen == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(chosen, init_method="env://", timeout=timedelta(seconds=timeout_s))
-    if chosen == "gloo":
-        # Left to the interpreter's teardown, gloo's threads (of the mesh's subgroups too) were seen to abort a rank
-        # that had finished cleanly ("terminate called without an active exception", exit -6). Destroying gloo groups
-        # is local (no collective), so it cannot hang an exit; NCCL's teardown is left to torch.
-        atexit.register(_destroy_process_group)
     return dist.get_rank(), dist.get_world_size()
-
-
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def local_device() -> torch.device:
