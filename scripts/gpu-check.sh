@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The CUDA checks of issue 9, as one command for the GPU machine (../shared/gpu.md). Run from the repository root
+# there, with the wheels of the packages its image lacks in .whl/ (torchdata, chanfig, lazy-imports, gitpython, gitdb,
+# smmap: see gpu.md for the download line). Writes its logs and the benchmark's results under $OUT (default ./gpu-out).
+#
+#   bash scripts/gpu-check.sh [tests|bench|suite]...     # default: tests bench
+#
+#   tests   tests/cuda (kill -9 + rerun bit-exact on the GPU, pinned staging)
+#   bench   benchmarks/gpu.py (runner vs hand loop, async vs sync stall of a 435M GPT)
+#   suite   the single-process tests that resume, with CUDA visible (DDP tests run on gloo with CUDA hidden elsewhere)
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1 WANDB_MODE=offline
+
+if ! python3 -c "import perdure" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+fi
+nvidia-smi -L | tee "$OUT/device.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
+
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(tests bench)
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -n 5 tests/cuda 2>&1 | tee "$OUT/cuda-tests.log" | tail -40
+      ;;
+    bench)
+      timeout 330 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu-bench.log"
+      cp bench-results/gpu.json "$OUT/" 2>/dev/null
+      ;;
+    suite)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -n 12 -k "not wandb" \
+        tests/test_resume.py tests/faults/test_kills.py tests/test_pending_losses.py tests/test_staging.py \
+        tests/test_device_path.py tests/test_determinism.py tests/test_examples.py tests/test_evaluation.py \
+        tests/test_compile.py tests/test_inspection.py tests/test_requeue.py tests/test_corruption.py \
+        2>&1 | tee "$OUT/suite.log" | tail -40
+      ;;
+    *) echo "unknown step: $step" >&2 ;;
+  esac
+done
