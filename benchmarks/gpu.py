@@ -281,11 +281,16 @@ def stall_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any
     ticks = runner.ticks
     steps_between = [later - earlier for earlier, later in zip(ticks, ticks[1:])]
     saves_in_loop = 0 if mode == "none" else (args.stall_steps - 1) // args.interval
+    typical = median(steps_between)
+    # A save after step s lands in the gap after that step; its copies are waited for in the next one.
+    save_steps = [args.interval * k for k in range(1, saves_in_loop + 1)]
+    stall_each = [sum(gap - typical for gap in steps_between[s - 2 : s + 1]) for s in save_steps]
     return {
         "mode": mode,
         "loop_s": runner.loop_end - ticks[0],
         "saves_in_loop": saves_in_loop,
-        "median_step_s": median(steps_between),
+        "median_step_s": typical,
+        "stall_each_s": stall_each,
         "parameters": parameters,
         "state_gb": parameters * 4 * 3 / 1e9,
     }
@@ -357,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stall model: {stall['none']['parameters'] / 1e6:.0f}M parameters, "
                   f"{stall['none']['state_gb']:.1f} GB of parameters + AdamW state")  # fmt: skip
             print(format_table(["mode", "saves", "loop s", "stall/save s", "x sync", "step time / none"], rows))
+            for mode in STALL_MODES[1:]:
+                each = ", ".join(f"{seconds:.2f}" for seconds in stall[mode]["stall_each_s"])
+                print(f"{mode}: steps around each save took longer by {each} s")
             for mode in ("thread", "process"):
                 ratio = stall[mode]["stall_per_save_s"] / sync
                 targets.append(target(f"async {mode} stall / sync save stall", ratio, "<=", TARGET_STALL_RATIO))

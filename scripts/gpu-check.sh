@@ -7,6 +7,7 @@
 #
 #   tests   tests/cuda (kill -9 + rerun bit-exact on the GPU, pinned staging)
 #   bench   benchmarks/gpu.py (runner vs hand loop, async vs sync stall of a 435M GPT)
+#   stall   the stall part alone, with saves 90 steps apart
 #   suite   the single-process tests that resume, with CUDA visible (DDP tests run on gloo with CUDA hidden elsewhere)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -31,8 +32,12 @@ for step in "${steps[@]}"; do
       timeout 330 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu-bench.log"
       cp bench-results/gpu.json "$OUT/" 2>/dev/null
       ;;
+    stall)  # saves far enough apart for the disk to keep up (a sync save of the 435M GPT took 6.5 s on an H100)
+      timeout 260 python3 benchmarks/gpu.py --skip-steps --stall-steps 271 --interval 90 2>&1 | tee "$OUT/gpu-stall.log"
+      cp bench-results/gpu.json "$OUT/gpu-stall.json" 2>/dev/null
+      ;;
     suite)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -n 12 -k "not wandb" \
+      timeout 170 python3 -m pytest -q -p no:cacheprovider -n 12 -k "not wandb" \
         tests/test_resume.py tests/faults/test_kills.py tests/test_pending_losses.py tests/test_staging.py \
         tests/test_device_path.py tests/test_determinism.py tests/test_examples.py tests/test_evaluation.py \
         tests/test_compile.py tests/test_inspection.py tests/test_requeue.py tests/test_corruption.py \
