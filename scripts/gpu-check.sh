@@ -26,7 +26,7 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case "$step" in
     tests)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -n 5 tests/cuda 2>&1 | tee "$OUT/cuda-tests.log" | tail -40
+      timeout 200 python3 -m pytest -v -p no:cacheprovider -n 5 tests/cuda 2>&1 | tee "$OUT/cuda-tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
       ;;
     bench)
       timeout 330 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu-bench.log"
@@ -37,11 +37,11 @@ for step in "${steps[@]}"; do
       cp bench-results/gpu.json "$OUT/gpu-stall.json" 2>/dev/null
       ;;
     suite)
-      timeout 170 python3 -m pytest -q -p no:cacheprovider -n 12 -k "not wandb" \
+      timeout 170 python3 -m pytest -v -p no:cacheprovider -n 12 -k "not wandb" \
         tests/test_resume.py tests/faults/test_kills.py tests/test_pending_losses.py tests/test_staging.py \
         tests/test_device_path.py tests/test_determinism.py tests/test_examples.py tests/test_evaluation.py \
         tests/test_compile.py tests/test_inspection.py tests/test_requeue.py tests/test_corruption.py \
-        2>&1 | tee "$OUT/suite.log" | tail -40
+        2>&1 | tee "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
       ;;
     *) echo "unknown step: $step" >&2 ;;
   esac

@@ -98,9 +98,10 @@ def final_weights(root: Path, name: str = "model.pth") -> dict[str, torch.Tensor
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Bit-equal tensors under the same names; compared on the CPU, so a live model on a GPU meets a saved file."""
     assert a.keys() == b.keys()
     for key in a:
-        assert torch.equal(a[key], b[key]), f"parameter {key} differs"
+        assert torch.equal(a[key].cpu(), b[key].cpu()), f"parameter {key} differs"
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:

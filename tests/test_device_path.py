@@ -21,7 +21,8 @@ def test_to_device_keeps_every_container_type(tmp_path):
     try:
         batch = {"pair": Batch(torch.ones(2), torch.zeros(2)), "list": [torch.ones(1)], "text": "kept"}
         moved = runner.to_device(batch)
-        assert isinstance(moved["pair"], Batch) and torch.equal(moved["pair"].target, torch.zeros(2))
+        assert isinstance(moved["pair"], Batch) and torch.equal(moved["pair"].target.cpu(), torch.zeros(2))
+        assert moved["pair"].target.device == moved["list"][0].device == runner.device
         assert isinstance(moved["list"], list) and moved["text"] == "kept"
         inputs, target = runner.unpack_batch(Batch(torch.ones(3), torch.zeros(3)))
         assert inputs.device == target.device == runner.device
