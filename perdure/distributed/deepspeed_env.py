@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from perdure.errors import PerdureError
+from perdure.errors import ConfigError, PerdureError
 
 SHM_COMM_OP = "deepspeed_shm_comm"
 
@@ -38,3 +38,21 @@ def import_deepspeed() -> ModuleType:
         "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning, module="torch.distributed"
     )
     return deepspeed
+
+
+def check_precision(precision: str) -> None:
+    """Refuse `precision` fp16 where DeepSpeed's accelerator has no fp16 support, before anything is written (the engine
+    would fail at construction with "Type fp16 is not supported on your device"). On a CPU, DeepSpeed supports fp16
+    only where oneDNN has fp16 kernels (AVX512-FP16 or AMX-FP16)."""
+    if precision != "fp16":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        raise ConfigError(
+            "precision",
+            precision,
+            f"DeepSpeed's {accelerator.device_name()} accelerator has no fp16 support on this machine (on a CPU it "
+            "needs oneDNN fp16 kernels: AVX512-FP16 or AMX-FP16); use precision bf16 or fp32",
+        )

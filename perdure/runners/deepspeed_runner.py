@@ -32,7 +32,7 @@ from perdure.checkpoints.base import Stateful
 from perdure.checkpoints.deepspeed_engine import DeepSpeedCheckpointManager, EngineState, read_deepspeed_weights
 from perdure.checkpoints.source import RestoreSource
 from perdure.distributed.collectives import all_ranks
-from perdure.distributed.deepspeed_env import import_deepspeed
+from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend
 from perdure.runners.deepspeed_config import engine_config
 from perdure.runners.ema import ExponentialMovingAverage
@@ -53,6 +53,7 @@ class DeepSpeedRunner(TorchRunner):
         """Torch's process group (gloo on CPU, NCCL on CUDA), which DeepSpeed then uses; a lone process gets a group
         of one, since the engine needs one."""
         import_deepspeed()
+        check_precision(self.config.precision)
         if launched_world_size() == 1 and not dist.is_initialized():
             os.environ.setdefault("LOCAL_RANK", "0")  # the engine asks for it; nothing else reads it here
             backend = select_backend(self.config.dist.backend)

@@ -77,7 +77,9 @@ def test_fp16_overflow_skips_are_reported_as_skipped_steps_with_a_deepspeed_json
     settings = {"fp16": {"initial_scale_power": 24, "hysteresis": 1}, "zero_optimization": {"stage": 1}}
     ds_json.write_text(json.dumps({**settings, "train_micro_batch_size_per_gpu": "auto"}))
     args = (*ARGS, "--precision", "fp16", "--deepspeed.zero_stage", "1", "--deepspeed.config", str(ds_json))
-    result = run("resumable.py", tmp_path / "runs", *args, "--steps", "6", timeout=TIMEOUT)
+    # Whatever this CPU's oneDNN offers: the loss scaling under test is DeepSpeed's, the arithmetic torch's own.
+    fp16 = {"DS_FP16_SUPPORTED": "1"}
+    result = run("resumable.py", tmp_path / "runs", *args, "--steps", "6", timeout=TIMEOUT, **fp16)
     assert_ok(result)
     skipped = re.findall(r"optimizer step skipped \((\d+) skipped so far\)", result.stdout + result.stderr)
     assert skipped and int(skipped[-1]) >= 3, "the loss scale starts far too high: the first steps overflow"
@@ -86,7 +88,7 @@ def test_fp16_overflow_skips_are_reported_as_skipped_steps_with_a_deepspeed_json
     # The run's identity holds the file's path: a file edited before the run is continued is refused, not used.
     settings["fp16"]["loss_scale_window"] = 50
     ds_json.write_text(json.dumps(settings))
-    result = run("resumable.py", tmp_path / "runs", *args, "--steps", "8", timeout=TIMEOUT)
+    result = run("resumable.py", tmp_path / "runs", *args, "--steps", "8", timeout=TIMEOUT, **fp16)
     assert result.returncode != 0
     assert "was trained with other DeepSpeed settings than this run's: fp16.loss_scale_window: None -> 50" in (
         result.stdout + result.stderr
@@ -144,3 +146,14 @@ def test_a_deepspeed_checkpoint_whose_pickle_runs_code_is_refused(references, tm
         output = result[0].stdout
         assert f"refused to load {target}" in output and "builtins.eval" in output, output
     assert not marker.exists()
+
+
+def test_fp16_where_deepspeed_has_no_fp16_is_refused_before_anything_is_written(tmp_path):
+    """DeepSpeed's CPU accelerator has fp16 only with oneDNN fp16 kernels (AVX512-FP16 / AMX-FP16): without them the
+    engine would fail at construction; the runner says which key to change first."""
+    args = (*ARGS, "--precision", "fp16", "--deepspeed.zero_stage", "1", "--steps", "2")
+    result = run("resumable.py", tmp_path / "runs", *args, timeout=TIMEOUT, DS_FP16_SUPPORTED="0")
+    assert result.returncode != 0
+    assert "config key 'precision' = 'fp16': DeepSpeed's cpu accelerator has no fp16 support" in result.stderr
+    assert "use precision bf16 or fp32" in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()

@@ -26,6 +26,8 @@ Environment knobs (tests only):
   GATHERED_WEIGHTS  stack=deepspeed: after training, rank 0 saves the engine's fp32 weights gathered from every rank
                 (`safe_get_full_fp32_param`) to this path
   RESTORED_STATE  stack=deepspeed: the same, right after the restore (before training), with the optimizer's steps
+  DS_FP16_SUPPORTED  stack=deepspeed: "1" or "0" overrides whether DeepSpeed's accelerator reports fp16 support (a CPU
+                without oneDNN fp16 kernels has none; torch's own fp16 CPU kernels still compute a tiny model's steps)
   ITERABLE      "stateful": the train set is a stream (an IterableDataset, reshuffled each pass, each rank reading its
                 own shard) that saves its position; "stateless": the same stream without state_dict
 """
@@ -291,6 +293,14 @@ if __name__ == "__main__":
     rank = os.environ.get("RANK", "0")
     if os.environ.get("FAULT") and os.environ.get("FAULT_RANK", rank) == rank:
         install_fault(os.environ["FAULT"])
+    if os.environ.get("DS_FP16_SUPPORTED"):
+        from deepspeed.accelerator import get_accelerator
+
+        from perdure.distributed.deepspeed_env import import_deepspeed
+
+        import_deepspeed()  # the accelerator chosen and the comm op disabled, as the runner imports it
+        supported = os.environ["DS_FP16_SUPPORTED"] == "1"
+        get_accelerator().is_fp16_supported = lambda: supported
     runner = ResumableRunner(Config().parse())
     if os.environ.get("RESTORED_STATE"):
         save_gathered(runner, os.environ["RESTORED_STATE"])
