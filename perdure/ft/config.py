@@ -31,16 +31,14 @@ _ADDRESS = re.compile(r"^https?://[^\s/:]+(:\d{1,5})?/?$|^https?://\[[0-9a-fA-F:
 # Why a stack cannot train as a replica group (yet): FT must own the gradient all-reduce across groups and gate the
 # optimizer step on the groups' vote.
 UNSUPPORTED_STACKS = {
-    "parallel": (
-        "FT with the parallel stack needs the mesh's replicate dimension to span the replica groups (HSDP across "
-        "groups), which this version does not do: FSDP, tensor and pipeline parallelism cannot train as replica "
-        "groups yet. Use stack=torch (one process or DDP inside each group)"
-    ),
     "deepspeed": (
         "DeepSpeed's engine owns the gradient all-reduce and the optimizer step, which FT must gate on the groups' "
         "vote; FT does not support it. Use stack=torch (one process or DDP inside each group)"
     ),
 }
+
+
+MODEL_PARALLEL_AXES = ("tensor", "pipeline", "context", "expert")
 
 
 def lighthouse_address(value: Any) -> str | None:
@@ -60,6 +58,18 @@ def check_ft(get: Callable[[str], Any]) -> None:
     stack = get("stack")
     if stack in UNSUPPORTED_STACKS:
         raise ConfigError("stack", stack, UNSUPPORTED_STACKS[stack])
+    if stack == "parallel":
+        for axis in MODEL_PARALLEL_AXES:
+            size = get(f"parallel.axes.{axis}")
+            if size != 1:
+                raise ConfigError(
+                    f"parallel.axes.{axis}",
+                    size,
+                    "FT trains the parallel stack as HSDP across replica groups (FSDP inside each group, the groups "
+                    "its replicate dimension): the cross-group gradient average and the groups' vote own the "
+                    f"reduction and the optimizer step, which {axis} parallelism splits. Set it to 1, or ft.enabled "
+                    "false",
+                )
     if get("ckpt.backend") == "deepspeed":
         raise ConfigError("ckpt.backend", "deepspeed", "FT trains with the torch stack; use auto, file or dcp")
     group_size = get("ft.group_size")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from perdure.checkpoints.snapshot import is_dtensor, local_part
 from perdure.errors import PerdureError
 
 # torch warns once that tensors loaded from a byte stream view read-only memory; the transport copies them.
@@ -158,7 +159,9 @@ class GradientAverager:
     """Averages every trainable parameter's gradient across the participating groups, in buckets of a fixed layout
     (parameter order, `BUCKET_BYTES`), so the reduction is the same at every step and after every restart.
 
-    A parameter without a gradient takes part with zeros (another group may have one), and gets the average.
+    A parameter without a gradient takes part with zeros (another group may have one), and gets the average. A
+    sharded parameter (FSDP2 inside the group: HSDP whose replicate dimension is the replica groups) takes part with
+    this rank's shard of its gradient, which rank `r` of every group holds alike.
     """
 
     def __init__(self, parameters: Iterable[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> None:
@@ -168,8 +171,9 @@ class GradientAverager:
         for parameter in parameters:
             if not parameter.requires_grad:
                 continue
-            nbytes = parameter.numel() * parameter.element_size()
-            same_kind = not current or (current[0].dtype, current[0].device) == (parameter.dtype, parameter.device)
+            shard = local_part(parameter)
+            nbytes = shard.numel() * shard.element_size()
+            same_kind = not current or (current[0].dtype, local_part(current[0]).device) == (shard.dtype, shard.device)
             if current and (size + nbytes > bucket_bytes or not same_kind):
                 self.buckets.append(current)
                 current, size = [], 0
@@ -181,17 +185,62 @@ class GradientAverager:
     def average(self, manager: Any) -> None:
         """All-reduce (average) the gradients through `manager`. Errors are the manager's to report: a failed
         all-reduce makes `should_commit()` return False, and the gradients are then dropped."""
-        flats, works = [], []
+        flats, works, grads = [], [], []
         for bucket in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = torch._utils._flatten_dense_tensors(grads)
+            grads.append(
+                [local_part(p.grad) if p.grad is not None else torch.zeros_like(local_part(p)) for p in bucket]
+            )
+            flat = torch._utils._flatten_dense_tensors(grads[-1])
             flats.append(flat)
             works.append(manager.allreduce(flat))
         for work in works:
             work.wait()
-        for bucket, flat in zip(self.buckets, flats):
-            for parameter, averaged in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                if parameter.grad is None:
-                    parameter.grad = averaged
+        for bucket, flat, shapes in zip(self.buckets, flats, grads):
+            for parameter, averaged in zip(bucket, torch._utils._unflatten_dense_tensors(flat, shapes)):
+                if parameter.grad is not None:
+                    local_part(parameter.grad).copy_(averaged)
+                elif is_dtensor(parameter):
+                    parameter.grad = _shaped_like(parameter, averaged)
                 else:
-                    parameter.grad.copy_(averaged)
+                    parameter.grad = averaged
+
+
+def _shaped_like(template: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """`shard` as a DTensor with `template`'s mesh, placements and global shape (this rank's part of it)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        shard.to(local_part(template).device),
+        template.device_mesh,
+        template.placements,
+        shape=template.shape,
+        stride=template.stride(),
+        run_check=False,
+    )
+
+
+def local_shards(tree: Any) -> Any:
+    """A state tree as a healing peer receives it: copies of the tensors (taken now: the coming step changes the live
+    ones while the peer may still be downloading), each DTensor as this rank's shard (the allow-listed transport
+    carries plain tensors; rank `r` of the peer holds the same shards)."""
+    if isinstance(tree, torch.Tensor):
+        return local_part(tree).detach().clone()
+    if isinstance(tree, dict):
+        return {key: local_shards(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        values = [local_shards(value) for value in tree]
+        return values if isinstance(tree, list) else tuple(values)
+    return tree
+
+
+def sharded_like(template: Any, received: Any) -> Any:
+    """The inverse of `local_shards` against this rank's own state tree: a received shard whose counterpart in
+    `template` is a DTensor becomes a DTensor of the same layout; everything else is taken as received."""
+    if is_dtensor(template) and isinstance(received, torch.Tensor):
+        return _shaped_like(template, received)
+    if isinstance(template, dict) and isinstance(received, dict):
+        return {key: sharded_like(template.get(key), value) for key, value in received.items()}
+    if isinstance(template, (list, tuple)) and isinstance(received, (list, tuple)) and len(template) == len(received):
+        values = [sharded_like(mine, theirs) for mine, theirs in zip(template, received)]
+        return values if isinstance(received, list) else tuple(values)
+    return received

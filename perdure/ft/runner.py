@@ -14,18 +14,14 @@ plugs into the stack's override points and copies nothing of the loop:
     _new_run_lock        a lock per replica id beside a shared run.lock; the shared checkpoints are repaired only
     _repair_checkpoints  while no other group lives
 
-Later stacks: HSDP would build its device mesh with the replicate dimension as the FT dimension and reuse
-`begin_step` / `commit_step` / the save split unchanged; its `commit_step` all-reduces the replicate-dimension
-gradients through the manager instead of `GradientAverager` (see docs/fault-tolerance.md).
+The parallel stack (FSDP2 inside each group) uses the same layer as HSDP across groups: the averager reduces each
+rank's local gradient shards with the same rank of the other groups, and a heal moves local shards (see manager.py).
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any
-
-import torch
-from torch.utils._pytree import tree_map
 
 from perdure.checkpoints.base import CheckpointPolicy, Stateful
 from perdure.checkpoints.commit import CHECKPOINT_PATTERN, read_pointer
@@ -35,7 +31,15 @@ from perdure.distributed.collectives import broadcast_object
 from perdure.distributed.process_group import select_backend
 from perdure.errors import PerdureError
 from perdure.ft.config import lighthouse_address
-from perdure.ft.manager import GradientAverager, HealRefusedError, ManagerSettings, QuorumError, build_manager
+from perdure.ft.manager import (
+    GradientAverager,
+    HealRefusedError,
+    ManagerSettings,
+    QuorumError,
+    build_manager,
+    local_shards,
+    sharded_like,
+)
 from perdure.ft.replica import ReplicaRunLock, ReplicaStates
 from perdure.ft.telemetry import ReplicaTelemetry
 from perdure.resilience.run_lock import RunLock
@@ -322,16 +326,16 @@ class FaultTolerant:
         return self.ft_manager
 
     def _ft_state_dict(self) -> dict[str, Any]:
-        """What a healing peer receives: everything a full checkpoint replicates, copied now (the step that follows
-        changes the live tensors while the peer may still be downloading)."""
-        states = {key: state.state_dict() for key, state in self.checkpoint_states().items()}
-        return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, states)
+        """What a healing peer receives: everything a full checkpoint holds, copied now, sharded state as this rank's
+        shards (see `local_shards`)."""
+        return local_shards({key: state.state_dict() for key, state in self.checkpoint_states().items()})
 
     def _ft_load_state_dict(self, states: dict[str, Any]) -> None:
-        """Heal: take a live peer's state, in the restore order of a checkpoint."""
+        """Heal: take a live peer's state, in the restore order of a checkpoint; shards go back into this rank's
+        sharded layout (the peer's rank of the same index holds the same shards)."""
         for key, state in self.checkpoint_states().items():
             if key in states:
-                state.load_state_dict(states[key])
+                state.load_state_dict(sharded_like(state.state_dict(), states[key]))
         self._healed = True
 
     def _stop_ft(self) -> None:

@@ -49,8 +49,10 @@ def test_bad_ft_configs_fail_with_the_key_and_the_fix(monkeypatch):
     assert error.key == "ft.lighthouse" and "http://HOST:PORT" in str(error)
     error = parse_error("--ft.lighthouse", LIGHTHOUSE, "--ft.min_replica_size", "2")
     assert error.key == "ft.min_replica_size"
-    error = parse_error("--ft.lighthouse", LIGHTHOUSE, "--stack", "parallel")
-    assert error.key == "stack" and "HSDP across groups" in str(error) and "stack=torch" in str(error)
+    for axis in ("tensor", "pipeline"):  # the parallel stack trains as HSDP across groups: FSDP only inside them
+        error = parse_error("--ft.lighthouse", LIGHTHOUSE, "--stack", "parallel", f"--parallel.axes.{axis}", "2")
+        assert error.key == f"parallel.axes.{axis}" and "HSDP across replica groups" in str(error)
+    Config().parse(["--steps", "3", "--ft.enabled", "true", "--ft.lighthouse", LIGHTHOUSE, "--stack", "parallel"])
     error = parse_error("--ft.lighthouse", LIGHTHOUSE, "--stack", "deepspeed")
     assert error.key == "stack" and "DeepSpeed" in str(error)
     error = parse_error("--ft.lighthouse", LIGHTHOUSE, "--ft.timeout", "0")

@@ -39,6 +39,14 @@ def healed_from_peer(root, replica, after_step=-1):
     return [h for h in ft_record(root, replica).get("heals", []) if h["source"] == "peer" and h["to_step"] > after_step]
 
 
+def died(group) -> bool:
+    """Every rank of a group launch that kills itself (KILL_AFTER_STEPS) ended: SIGKILLed, or, when its rank 0 (which
+    serves the group's manager) died first, stopped by the failed quorum, as torchrun would stop it."""
+    codes = group.wait()
+    assert codes[0] == -signal.SIGKILL and all(code in (-signal.SIGKILL, 1) for code in codes[1:]), codes
+    return True
+
+
 def held_back(tmp_path):
     """(workspace root, the hold file, the environment that slows a group down while the hold file exists)."""
     hold = tmp_path / "hold"
@@ -103,7 +111,7 @@ def test_ddp_inside_each_group(tmp_path, lighthouse):
     args = (*ARGS[2:], "--steps", "200", "--ckpt.backend", "file")
     group0 = launch(root, lighthouse, 0, *args, ranks=2, FINAL_STATE=final, **slow)
     first = launch(root, lighthouse, 1, *args, ranks=2, name="a", KILL_AFTER_STEPS="8", **slow)
-    assert first.wait() == [-signal.SIGKILL] * 2, first.output()[-3000:]
+    assert died(first), first.output()[-3000:]
     wait_until(lambda: alone_after_a_pair(root, 0), "group 0 alone", [group0])
     died_at = max(step for step, size in quorum_sizes(root, 0) if size == 1)
     again = launch(root, lighthouse, 1, *args, ranks=2, name="b", FINAL_STATE=final, **slow)
@@ -118,6 +126,32 @@ def test_ddp_inside_each_group(tmp_path, lighthouse):
         assert_same_state(states[0], other)
     heal = healed_from_peer(root, 1, died_at)
     assert heal and heal[0]["to_step"] > died_at and sidecar(root)["step"] == 200, ft_record(root, 1)
+
+
+def test_fsdp_inside_each_group_is_hsdp_across_groups(tmp_path, lighthouse):
+    """stack=parallel, 2 groups x 2 ranks (FSDP2 inside each group): group 1 dies, group 0 keeps committing, the
+    restart heals shard by shard from the same ranks of group 0, and rank r of both groups ends with the same shards."""
+    root, hold, slow = held_back(tmp_path)
+    final = str(tmp_path / "final{replica}-{rank}.pt")
+    args = (*ARGS[2:], "--steps", "120", "--stack", "parallel", "--dist.timeout", "60")
+    group0 = launch(root, lighthouse, 0, *args, ranks=2, FINAL_STATE=final, **slow)
+    first = launch(root, lighthouse, 1, *args, ranks=2, name="a", KILL_AFTER_STEPS="6", **slow)
+    assert died(first), first.output()[-3000:]
+    wait_until(lambda: alone_after_a_pair(root, 0), "group 0 alone", [group0])
+    died_at = max(step for step, size in quorum_sizes(root, 0) if size == 1)
+    again = launch(root, lighthouse, 1, *args, ranks=2, name="b", FINAL_STATE=final, **slow)
+    wait_until(lambda: healed_from_peer(root, 1, died_at), "the heal", [group0, again])
+    hold.unlink()
+    group0.assert_ok()
+    again.assert_ok()
+    assert "parallel: shard 2 (2 ranks)" in group0.output()
+    for rank in (0, 1):
+        a, b = (final_state(tmp_path / f"final{replica}-{rank}.pt") for replica in (0, 1))
+        assert a["step"] == 120
+        assert_same_state(a, b)
+    record = sidecar(root)
+    assert record["step"] == 120 and record["status"] == "completed"
+    assert read_pointer(run_dir(root) / "checkpoints", "latest") == "ckpt-s000000000120"
 
 
 def test_bad_lighthouse_fails_at_the_first_step(tmp_path):

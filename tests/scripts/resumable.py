@@ -189,9 +189,12 @@ def _per_process(path: str, rank: int, config) -> str:
 
 def save_final_state(runner) -> None:
     path = _per_process(os.environ.get("FINAL_STATE", ""), runner.rank, runner.config)
-    if path:
-        model = {key: value.clone() for key, value in runner.unwrap_model().state_dict().items()}
-        torch.save({"model": model, "optimizer": runner.optimizer.state_dict(), "step": runner.global_step}, path)
+    if path:  # sharded (stack=parallel): this rank's shards, which rank r of every replica group holds alike
+        from perdure.ft.manager import local_shards
+
+        model = local_shards(runner.unwrap_model().state_dict())
+        optimizer = local_shards(runner.optimizer.state_dict())
+        torch.save({"model": model, "optimizer": optimizer, "step": runner.global_step}, path)
 
 
 def install_fault(spec: str) -> None:
