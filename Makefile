@@ -28,8 +28,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check perdure tests examples benchmarks
 	$(VENV)/bin/ruff format --check perdure tests examples benchmarks
 
+# Two workers: most tests wait on the processes they launch (kills, ranks, replica groups), so two keep both cores busy.
 test: lint
-	$(VENV)/bin/pytest -x -q
+	$(VENV)/bin/pytest -q -n 2 --dist worksteal
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
