@@ -104,13 +104,13 @@ def test_a_group_dies_twice_the_other_keeps_committing_and_the_restarts_heal(tmp
     assert ft_record(root, 0)["steps_committed"] + skipped == STEPS
 
 
-def test_ddp_inside_each_group(tmp_path, lighthouse):
-    """2 groups x 2 ranks: group 1 (both ranks) dies, group 0 keeps committing, the restart heals, all four agree."""
+def two_rank_groups_killed_and_healed(tmp_path, lighthouse, *args, kill_after: int):
+    """2 groups x 2 ranks: group 1 dies at its `kill_after`-th step, group 0 goes on alone, a relaunch of group 1
+    heals from it, both finish. Returns (workspace root, group 0, the step group 0 went on alone from)."""
     root, hold, slow = held_back(tmp_path)
     final = str(tmp_path / "final{replica}-{rank}.pt")
-    args = (*ARGS[2:], "--steps", "200", "--ckpt.backend", "file")
     group0 = launch(root, lighthouse, 0, *args, ranks=2, FINAL_STATE=final, **slow)
-    first = launch(root, lighthouse, 1, *args, ranks=2, name="a", KILL_AFTER_STEPS="8", **slow)
+    first = launch(root, lighthouse, 1, *args, ranks=2, name="a", KILL_AFTER_STEPS=str(kill_after), **slow)
     assert died(first), first.output()[-3000:]
     wait_until(lambda: alone_after_a_pair(root, 0), "group 0 alone", [group0])
     died_at = max(step for step, size in quorum_sizes(root, 0) if size == 1)
@@ -120,6 +120,13 @@ def test_ddp_inside_each_group(tmp_path, lighthouse):
     hold.unlink()
     group0.assert_ok()
     again.assert_ok()
+    return root, group0, died_at
+
+
+def test_ddp_inside_each_group(tmp_path, lighthouse):
+    """2 groups x 2 ranks: group 1 (both ranks) dies, group 0 keeps committing, the restart heals, all four agree."""
+    args = (*ARGS[2:], "--steps", "200", "--ckpt.backend", "file")
+    root, _, died_at = two_rank_groups_killed_and_healed(tmp_path, lighthouse, *args, kill_after=8)
     states = [final_state(tmp_path / f"final{replica}-{rank}.pt") for replica in (0, 1) for rank in (0, 1)]
     assert states[0]["step"] == 200
     for other in states[1:]:
@@ -131,19 +138,8 @@ def test_ddp_inside_each_group(tmp_path, lighthouse):
 def test_fsdp_inside_each_group_is_hsdp_across_groups(tmp_path, lighthouse):
     """stack=parallel, 2 groups x 2 ranks (FSDP2 inside each group): group 1 dies, group 0 keeps committing, the
     restart heals shard by shard from the same ranks of group 0, and rank r of both groups ends with the same shards."""
-    root, hold, slow = held_back(tmp_path)
-    final = str(tmp_path / "final{replica}-{rank}.pt")
     args = (*ARGS[2:], "--steps", "120", "--stack", "parallel", "--dist.timeout", "60")
-    group0 = launch(root, lighthouse, 0, *args, ranks=2, FINAL_STATE=final, **slow)
-    first = launch(root, lighthouse, 1, *args, ranks=2, name="a", KILL_AFTER_STEPS="6", **slow)
-    assert died(first), first.output()[-3000:]
-    wait_until(lambda: alone_after_a_pair(root, 0), "group 0 alone", [group0])
-    died_at = max(step for step, size in quorum_sizes(root, 0) if size == 1)
-    again = launch(root, lighthouse, 1, *args, ranks=2, name="b", FINAL_STATE=final, **slow)
-    wait_until(lambda: healed_from_peer(root, 1, died_at), "the heal", [group0, again])
-    hold.unlink()
-    group0.assert_ok()
-    again.assert_ok()
+    root, group0, _ = two_rank_groups_killed_and_healed(tmp_path, lighthouse, *args, kill_after=6)
     assert "parallel: shard 2 (2 ranks)" in group0.output()
     for rank in (0, 1):
         a, b = (final_state(tmp_path / f"final{replica}-{rank}.pt") for replica in (0, 1))
