@@ -237,6 +237,13 @@ def sharded_like(template: Any, received: Any) -> Any:
     """The inverse of `local_shards` against this rank's own state tree: a received shard whose counterpart in
     `template` is a DTensor becomes a DTensor of the same layout; everything else is taken as received."""
     if is_dtensor(template) and isinstance(received, torch.Tensor):
+        mine = local_part(template)
+        if received.shape != mine.shape or received.dtype != mine.dtype:
+            raise HealRefusedError(
+                f"a peer sent a shard of {list(received.shape)} {received.dtype} where this rank holds "
+                f"{list(mine.shape)} {mine.dtype}: every replica group must shard the model alike (the same number of "
+                "ranks and parallel.axes)"
+            )
         return _shaped_like(template, received)
     if isinstance(template, dict) and isinstance(received, dict):
         return {key: sharded_like(template.get(key), value) for key, value in received.items()}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from perdure.ft.runner import FaultTolerant
 from perdure.ft.telemetry import ReplicaSidecar
 from perdure.resilience.run_lock import RunLock, RunLockedError
 from perdure.workspace.identity import config_id
+from tests.runs import environment
 from tests.scripts.resumable import Config, ResumableRunner, make_config
 
 pytest.importorskip("torchft", reason="the ft extra is not installed (pip install 'perdure[ft]')")
@@ -243,3 +246,34 @@ def test_gradients_travel_in_fixed_buckets_and_a_missing_gradient_takes_part():
     averager.average(Halving())
     assert torch.equal(parameters[0].grad, torch.ones(4, 4))
     assert torch.equal(parameters[1].grad, torch.zeros(4)) and torch.equal(parameters[2].grad, torch.zeros(4, 4))
+
+
+SHARDS_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from perdure.ft.manager import HealRefusedError, local_shards, sharded_like
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+template = {"w": DTensor.from_local(torch.zeros(4, 3), mesh, [Shard(0)]), "step": 7, "b": torch.zeros(2)}
+sent = local_shards({"w": DTensor.from_local(torch.ones(4, 3), mesh, [Shard(0)]), "step": 8, "b": torch.ones(2)})
+assert type(sent["w"]) is torch.Tensor and sent["step"] == 8
+back = sharded_like(template, sent)
+assert isinstance(back["w"], DTensor) and back["w"].placements == (Shard(0),)
+assert torch.equal(back["w"].to_local(), sent["w"])
+assert type(back["b"]) is torch.Tensor and back["step"] == 8
+try:
+    sharded_like(template, {"w": torch.ones(5, 3)})
+except HealRefusedError as error:
+    print("refused:", error)
+dist.destroy_process_group()
+"""
+
+
+def test_heal_shards_go_back_into_the_sharded_layout_and_a_misshapen_one_is_refused():
+    result = subprocess.run([sys.executable, "-c", SHARDS_SCRIPT], env=environment(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "refused: a peer sent a shard of [5, 3] torch.float32 where this rank holds [4, 3] torch.float32"
+        in result.stdout
+    )
