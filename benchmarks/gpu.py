@@ -249,10 +249,16 @@ class StallRunner(Runner):
         self.datasets["train"] = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         self.ticks: list[float] = []
         self.loop_end: float | None = None
+        self.pool = None
 
     def train_step(self, batch: Any) -> torch.Tensor:
         self.ticks.append(time.perf_counter())
         return gpt_loss(self.model, self.unpack_batch(batch))
+
+    def _reserve_snapshot_buffers(self) -> None:
+        super()._reserve_snapshot_buffers()  # keep the pool, to say what its buffers cost
+        if self.pool is None and self.config.ckpt.async_mode != "disabled":
+            self.pool = self.checkpoints._async_saver().pool
 
     def save_checkpoint(self, reason: str) -> Path | None:
         if reason == "final" and self.loop_end is None:
@@ -285,8 +291,17 @@ def stall_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any
     # A save after step s lands in the gap after that step; its copies are waited for in the next one.
     save_steps = [args.interval * k for k in range(1, saves_in_loop + 1)]
     stall_each = [sum(gap - typical for gap in steps_between[s - 2 : s + 1]) for s in save_steps]
+    pool = runner.pool
     return {
         "mode": mode,
+        # Host buffers made ahead of the saves (and in how long), and made by a save itself (time the loop paid).
+        "buffers": None
+        if pool is None
+        else {
+            "reserved_gb": pool.reserved_nbytes / 1e9,
+            "reserve_s": pool.reserve_seconds,
+            "on_demand_gb": pool.on_demand_nbytes / 1e9,
+        },
         "loop_s": runner.loop_end - ticks[0],
         "saves_in_loop": saves_in_loop,
         "median_step_s": typical,
@@ -365,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in STALL_MODES[1:]:
                 each = ", ".join(f"{seconds:.2f}" for seconds in stall[mode]["stall_each_s"])
                 print(f"{mode}: steps around each save took longer by {each} s")
+                if stall[mode]["buffers"] is not None:
+                    print(f"{mode}: snapshot buffers {stall[mode]['buffers']}")
             for mode in ("thread", "process"):
                 ratio = stall[mode]["stall_per_save_s"] / sync
                 targets.append(target(f"async {mode} stall / sync save stall", ratio, "<=", TARGET_STALL_RATIO))

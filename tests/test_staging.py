@@ -10,6 +10,7 @@ itself is exercised in tests/cuda/.
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 import time
@@ -17,9 +18,11 @@ import time
 import pytest
 import torch
 
-from perdure.checkpoints.async_save import AsyncSaver, SaveJob
+from perdure.checkpoints.async_save import AsyncSaver, BufferPickler, BufferUnpickler, SaveJob
+from perdure.checkpoints.base import snapshot_buffer_sets
 from perdure.checkpoints.snapshot import BufferPool, Snapshot, storage_key
 from perdure.checkpoints.staging import Staging
+from tests.scripts.resumable import ResumableRunner, make_config
 
 
 class GatedFence:
@@ -197,3 +200,166 @@ def test_the_default_policy_pins_nothing_on_cpu_tensors(shared):
     pool = BufferPool(shared_memory=shared)
     buffer, pinned = pool.take(torch.ones(4))
     assert pinned is False and buffer.is_shared() == shared and pool.staging.pin_failure is None
+
+
+class GatedPin(PinRecorder):
+    """Pinned allocation that blocks until `release` is set: a reservation caught in the middle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def __call__(self, shape, dtype, shared):
+        assert self.release.wait(30)
+        return super().__call__(shape, dtype, shared)
+
+
+def test_reserved_buffers_serve_two_snapshots_without_allocating_in_the_loop():
+    gpu, cpu = torch.ones(8), torch.ones(3)
+    pin = PinRecorder()
+    staging, engine = make_staging([gpu], pin)
+    engine.release.set()
+    pool = BufferPool(staging=staging)
+    pool.reserve([gpu, cpu], sets=2)
+    assert pool.wait_reserved(30)
+    assert len(pin.calls) == 2 and pool.reserved_nbytes == 2 * (8 + 3) * 4 and pool.idle_nbytes() == 88
+    first = Snapshot({"w": gpu, "c": cpu}, {}, deferred=[gpu], pool=pool)
+    second = Snapshot({"w": gpu, "c": cpu}, {}, deferred=[gpu], pool=pool)  # the first is still being written
+    assert pool.on_demand_nbytes == 0 and len(pin.calls) == 2 and pool.idle_nbytes() == 0
+    assert all(buffer.shape in ((8,), (3,)) for buffer in first.buffers + second.buffers)
+    third = Snapshot({"w": gpu, "c": cpu}, {}, deferred=[gpu], pool=pool)  # a third in flight: beyond the reservation
+    assert pool.on_demand == {((8,), torch.float32): 1, ((3,), torch.float32): 1} and len(pin.calls) == 3
+    for snapshot in (first, second, third):
+        snapshot.wait()
+        assert torch.equal(snapshot.replicated["w"], gpu) and torch.equal(snapshot.replicated["c"], cpu)
+
+
+def test_a_reservation_counts_the_buffers_the_pool_holds():
+    gpu = torch.ones(5)
+    pin = PinRecorder()
+    staging, engine = make_staging([gpu], pin)
+    engine.release.set()
+    pool = BufferPool(staging=staging)
+    snapshot = Snapshot({"w": gpu}, {}, deferred=[gpu], pool=pool)
+    snapshot.wait()
+    pool.give_back(snapshot.buffers)
+    pool.reserve([gpu], sets=2)
+    assert pool.wait_reserved(30)
+    assert len(pin.calls) == 2, "one set existed already: the reservation makes only the second"
+    pool.reserve([gpu], sets=2)  # again (a second attempt in the same process): nothing more
+    assert pool.wait_reserved(30) and len(pin.calls) == 2
+
+
+def test_a_snapshot_waits_for_a_buffer_being_made_instead_of_making_a_second():
+    gpu = torch.arange(6.0)
+    pin = GatedPin()
+    staging, engine = make_staging([gpu], pin)
+    engine.release.set()
+    pool = BufferPool(staging=staging)
+    pool.reserve([gpu], sets=1)
+    taken: list = []
+    taker = threading.Thread(target=lambda: taken.append(pool.take(gpu)), daemon=True)
+    taker.start()
+    taker.join(0.3)
+    assert taker.is_alive(), "the snapshot did not wait for the buffer being made"
+    pin.release.set()
+    taker.join(30)
+    assert not taker.is_alive() and taken[0][1] is True
+    assert len(pin.calls) == 1 and pool.on_demand_nbytes == 0 and pool.wait_reserved(30)
+
+
+def test_a_pinning_failure_while_reserving_falls_back_to_pageable_buffers_with_one_warning(caplog):
+    a, b = torch.ones(4), torch.ones(2, 2)
+    pin = PinRecorder(fail_from=1)
+    staging, engine = make_staging([a, b], pin)
+    engine.release.set()
+    pool = BufferPool(staging=staging)
+    with caplog.at_level(logging.WARNING, logger="perdure"):
+        pool.reserve([a, b], sets=2)
+        assert pool.wait_reserved(30)
+    assert len(pin.calls) == 1 and staging.pin is False
+    assert sum("pinning" in record.getMessage() for record in caplog.records) == 1
+    snapshot = Snapshot({"a": a, "b": b}, {}, deferred=[a, b], pool=pool)
+    snapshot.fence()
+    snapshot.wait()
+    assert pool.on_demand_nbytes == 0 and engine.fences == []  # pageable copies, on the snapshot's own thread
+    assert torch.equal(snapshot.replicated["a"], a) and torch.equal(snapshot.replicated["b"], b)
+
+
+class WaitsForItsBuffers(ResumableRunner):
+    """Waits for the reservation it starts, so that which buffers the saves make is deterministic."""
+
+    def _reserve_snapshot_buffers(self):
+        super()._reserve_snapshot_buffers()
+        self.pool = self.checkpoints._async_saver().pool
+        assert self.pool.wait_reserved(30)
+
+    def save_checkpoint(self, reason):
+        path = super().save_checkpoint(reason)
+        if not hasattr(self, "made_by_first_save"):
+            self.made_by_first_save = dict(self.pool.on_demand)
+        return path
+
+
+def test_the_runner_reserves_after_its_first_step_and_no_save_makes_a_buffer_for_the_state(tmp_path, capsys):
+    runner = WaitsForItsBuffers(make_config(tmp_path, **{"steps": 9, "ckpt.interval": 3, "ckpt.async_mode": "thread"}))
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in runner.model.parameters())  # with two Adam moments
+    runner.train()
+    out = capsys.readouterr().out
+    assert "making 1 x " in out  # CPU tensors: one set (pinned buffers get two)
+    assert "snapshot buffers ready: " in out.split("snapshotted ckpt-s000000000003")[0], "reported by the first save"
+    assert runner.pool.reserved_nbytes >= state_bytes
+    state_kinds = {(tuple(p.shape), p.dtype) for p in runner.model.parameters()}
+    # The first save found every buffer of the state made; a later one may make its own while the writer still
+    # holds the first's (one set for pageable buffers), once.
+    assert not state_kinds & set(runner.made_by_first_save), runner.made_by_first_save
+    assert runner.checkpoints.last_saved == "ckpt-s000000000009"
+
+
+def test_two_sets_of_pinned_buffers_one_of_pageable_and_fewer_when_memory_is_short():
+    assert [snapshot_buffer_sets(10, room, pinned=True) for room in (25, 20, 15, 9)] == [2, 2, 1, 0]
+    assert [snapshot_buffer_sets(10, room, pinned=False) for room in (25, 10, 9)] == [1, 1, 0]
+
+
+def test_the_writer_process_gets_each_shared_buffer_in_full_once_then_by_number():
+    shared = [torch.full((4,), float(i)).share_memory_() for i in range(3)]
+    known, received = {}, {}
+
+    def send(job):
+        sent = {}
+        payload = BufferPickler.dumps(job, known, sent)
+        known.update(sent)
+        return len(sent), BufferUnpickler(io.BytesIO(payload), received).load()
+
+    count, first = send({"a": shared, "again": shared[0], "step": 7})
+    assert count == 3 and first["again"] is first["a"][0]
+    for buffer in shared:
+        buffer.add_(10)  # the next save's copies, into the same buffers
+    count, second = send({"a": shared, "again": shared[0], "step": 8})
+    assert count == 0, "a buffer the writer has was sent again"
+    assert all(b is a for a, b in zip(first["a"], second["a"])) and second["again"] is second["a"][0]
+    assert [float(b[0]) for b in second["a"]] == [10.0, 11.0, 12.0]  # the very memory, not a copy
+    assert second["step"] == 8
+
+
+def test_a_reservation_that_runs_out_of_memory_is_reported_by_the_next_save_and_the_saves_make_their_own():
+    a, b = torch.ones(4), torch.ones(3)
+    staging = Staging(on_device=lambda tensor: False)
+    real_allocate = staging.allocate
+    calls = []
+
+    def allocate(shape, dtype, pinned, prefault=False):
+        calls.append(prefault)
+        if prefault and len(calls) == 2:
+            raise MemoryError("injected: no host memory left")
+        return real_allocate(shape, dtype, pinned, prefault)
+
+    staging.allocate = allocate
+    pool = BufferPool(staging=staging)
+    pool.reserve([a, b], sets=1)
+    assert pool.wait_reserved(30)
+    level, message = pool.take_report()
+    assert level == logging.WARNING and "stopped (16 B made): MemoryError: injected" in message
+    assert pool.take_report() is None  # reported once
+    snapshot = Snapshot({"a": a, "b": b}, {}, pool=pool)
+    assert pool.on_demand == {((3,), torch.float32): 1} and torch.equal(snapshot.replicated["b"], b)

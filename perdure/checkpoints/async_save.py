@@ -9,6 +9,7 @@ reported by the manager at the next save; the partial directory is removed, comm
 from __future__ import annotations
 
 import ctypes
+import io
 import logging
 import os
 import pickle
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.multiprocessing as torch_mp
 
 from perdure.checkpoints.save_errors import save_failure
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from perdure.checkpoints.base import CheckpointManager
 
 logger = logging.getLogger("perdure")
+SentBuffers = dict[int, tuple[int, torch.Tensor]]  # id of a buffer -> (its number for the writer process, the buffer)
 WRITER_PROCESS_NAME = "perdure-checkpoint-writer"
 
 
@@ -196,6 +199,7 @@ class _WriterProcess:
         self.root = manager.root
         context = torch_mp.get_context("spawn")
         self.jobs = context.Queue()
+        self.buffers: SentBuffers = {}  # id of a buffer the process has -> (its number, it)
         self.results = context.Queue()
         self.process = context.Process(
             target=_writer_main,
@@ -207,11 +211,13 @@ class _WriterProcess:
 
     def commit(self, job: SaveJob) -> None:
         # Pickled here, not in the queue's feeder thread, which would only print a failure and drop the job.
+        sent: SentBuffers = {}
         try:
-            payload = bytes(ForkingPickler.dumps(job))  # a memoryview otherwise, which the queue cannot send
+            payload = BufferPickler.dumps(job, self.buffers, sent)
         except Exception as error:
             raise save_failure(error, name=job.name, root=self.root) from error
         self.jobs.put(payload)
+        self.buffers.update(sent)  # only once the process is sure to get them, in this order
         del payload
         while True:
             try:
@@ -238,11 +244,12 @@ def _writer_main(manager: CheckpointManager, jobs: Any, results: Any, parent: in
     _die_with_parent()
     if os.getppid() != parent:
         return
+    buffers: dict[int, torch.Tensor] = {}
     while True:
         payload = jobs.get()
         if payload is None:
             return
-        job = pickle.loads(payload)
+        job = BufferUnpickler(io.BytesIO(payload), buffers).load()
         del payload
         try:
             manager.commit_job(job)
@@ -250,6 +257,53 @@ def _writer_main(manager: CheckpointManager, jobs: Any, results: Any, parent: in
         except BaseException as failure:
             reported = save_failure(failure, name=job.name, root=manager.root, needed=job.nbytes)
             results.put((job.name, str(reported), isinstance(reported, CheckpointStateError)))
+
+
+class BufferPickler(ForkingPickler):
+    """Pickles a job for the writer process, sending each shared-memory buffer in full only once.
+
+    The pool hands the same buffers to save after save. Sent in full, each is a file descriptor the writer process
+    fetches over a socket that a thread of the training process serves under its GIL, and a fresh mapping the writer
+    faults in page by page; a buffer sent before travels as its number instead. `known` maps the id of each buffer
+    the process has to (its number, the buffer, kept alive so its id is never reused); `sent` receives the buffers
+    this job sends in full, for the caller to add to `known` once the job is on its way.
+    """
+
+    def __init__(self, file: Any, known: SentBuffers, sent: SentBuffers):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.known, self.sent = known, sent
+
+    @classmethod
+    def dumps(  # type: ignore[override]
+        cls, job: SaveJob, known: SentBuffers, sent: SentBuffers
+    ) -> bytes:
+        file = io.BytesIO()
+        cls(file, known, sent).dump(job)
+        return file.getvalue()
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is not torch.Tensor:
+            return None
+        if id(obj) in self.known:
+            return ("buffer", self.known[id(obj)][0])
+        if id(obj) in self.sent or not obj.is_shared():
+            return None  # pickled in full: inside its own ("new", number, buffer), or not a shared buffer at all
+        number = len(self.known) + len(self.sent)
+        self.sent[id(obj)] = (number, obj)
+        return ("new", number, obj)
+
+
+class BufferUnpickler(pickle.Unpickler):
+    """The writer process's side of `BufferPickler`: keeps each buffer sent in full under its number."""
+
+    def __init__(self, file: Any, buffers: dict[int, torch.Tensor]) -> None:
+        super().__init__(file)
+        self.buffers = buffers
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        if pid[0] == "new":
+            self.buffers[pid[1]] = pid[2]
+        return self.buffers[pid[1]]
 
 
 def _die_with_parent() -> None:

@@ -28,8 +28,8 @@ from perdure.checkpoints.gather import gather_records, publish_records
 from perdure.checkpoints.resolve import CheckpointInfo, Resolution, committed_checkpoints, find_latest, report
 from perdure.checkpoints.resolve import repair as repair_checkpoints
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
-from perdure.checkpoints.save_errors import save_failure
-from perdure.checkpoints.snapshot import Snapshot, available_memory, snapshot_nbytes
+from perdure.checkpoints.save_errors import human_bytes, save_failure
+from perdure.checkpoints.snapshot import Snapshot, available_memory, local_part, snapshot_nbytes
 from perdure.distributed.collectives import all_ranks
 from perdure.errors import CheckpointError, PerdureError
 from perdure.safe_io import ensure_dir, is_symlink, refuse_symlinked_dir, safe_name
@@ -70,6 +70,15 @@ class CheckpointPolicy:
             save_best=bool(ckpt.get("save_best", True)),
             export_dtype=ckpt.get("export_dtype"),
         )
+
+
+def snapshot_buffer_sets(needed: int, room: float, pinned: bool) -> int:
+    """How many snapshots' worth of host buffers to make ahead of the saves: two when they are pinned (pinning is what
+    costs, and a second set lets a save find buffers while the writer still holds the previous save's), else one
+    (a pageable buffer costs a page fault per page, once: the same as the copy into a fresh one); fewer when `room`
+    bytes cannot hold them."""
+    wanted = 2 if pinned else 1
+    return next((sets for sets in range(wanted, 0, -1) if sets * needed <= room), 0)
 
 
 class CheckpointManager(ABC):
@@ -199,9 +208,12 @@ class CheckpointManager(ABC):
             self._commit_now(job)
             return final
         saver = self._async_saver()
+        if (report := saver.pool.take_report()) is not None:
+            logger.log(*report)
         # With several ranks a queued save is dropped only when every rank drops it: ranks must commit the same saves.
         saver.make_room(agree=all_ranks if self.world_size > 1 else None)
-        needed = snapshot_nbytes([job.replicated, job.local])
+        # Buffers the pool holds already (reserved ahead, or given back by the last save) need no memory now.
+        needed = max(0, snapshot_nbytes([job.replicated, job.local]) - saver.pool.idle_nbytes())
         available = available_memory()
         if needed > MEMORY_HEADROOM * available:
             logger.warning(
@@ -220,6 +232,29 @@ class CheckpointManager(ABC):
         job.replicated, job.local = {}, {}
         saver.submit(job, snapshot)
         return final
+
+    def reserve_snapshot_buffers(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Start making, on a background thread, the host buffers that async snapshots of `tensors` (the model's state
+        and what the optimizer step changes: nearly all of a checkpoint's bytes) copy into, so that no save pays for
+        allocating (and on a GPU, pinning) them in the training loop. Returns at once; does nothing unless saves are
+        async. Called by the runner once per attempt, after its first optimizer step (which creates the optimizer's
+        state). How many sets: `snapshot_buffer_sets`."""
+        if not self.policy.enabled or self.policy.async_mode == "disabled":
+            return
+        tensors = list(tensors)
+        needed = snapshot_nbytes(tensors)
+        pool = self._async_saver().pool
+        pinned = any(pool.staging.wants_pinned(local_part(tensor)) for tensor in tensors)
+        sets = snapshot_buffer_sets(needed, MEMORY_HEADROOM * (available_memory() + pool.idle_nbytes()), pinned)
+        if sets == 0 or needed == 0:
+            return
+        logger.info(
+            "making %d x %s of %s host buffers for async snapshots in the background",
+            sets,
+            human_bytes(needed),
+            "pinned" if pinned else "shared" if pool.shared_memory else "pageable",
+        )
+        pool.reserve(tensors, sets)
 
     def _commit_now(self, job: SaveJob) -> None:
         """A synchronous save: any failure is raised as a `CheckpointSaveError` (I/O, with its real cause) or a

@@ -10,14 +10,19 @@ the loop waits for them on the device, not on the host (see staging.py for the p
 from __future__ import annotations
 
 import copy
+import logging
+import math
 import sys
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from perdure.checkpoints.save_errors import human_bytes
 from perdure.checkpoints.staging import CopyFence, Staging
 
 
@@ -39,12 +44,16 @@ def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return (tensor.device.type, tensor.untyped_storage().data_ptr())
 
 
+BufferKind = tuple[tuple[int, ...], torch.dtype]  # shape and dtype: buffers of one kind serve any tensor of it
+
+
 class BufferPool:
     """Host buffers of past snapshots, reused by the next one; their kind (shared, pinned) follows `staging`.
 
     A fresh 1 GB buffer costs a page fault per 4 KB page on its first write, about as much as the copy itself, and a
-    pinned one far more; a reused one does not. Buffers come back only once their save is committed (or dropped), so a
-    buffer is never written while it is being read. The pool keeps about one snapshot's worth of memory between saves.
+    pinned one far more; a reused one does not. `reserve` makes the buffers of the coming snapshots ahead of time, on
+    a background thread, so that no save allocates in the training loop. Buffers come back only once their save is
+    committed (or dropped), so a buffer is never written while it is being read.
     """
 
     def __init__(self, shared_memory: bool = False, staging: Staging | None = None) -> None:
@@ -52,28 +61,130 @@ class BufferPool:
         self.shared_memory = self.staging.shared
         self._free: dict[tuple[tuple[int, ...], torch.dtype, bool], list[torch.Tensor]] = {}
         self._pinned: set[int] = set()  # data pointers of the pinned buffers this pool made
-        self._lock = threading.Lock()
+        self._made: Counter[BufferKind] = Counter()  # buffers made (or being made), per kind
+        self._being_made: Counter[BufferKind] = Counter()  # by the reserving thread, not yet free
+        self._reserving: threading.Thread | None = None
+        self._condition = threading.Condition()
+        self.reserved_nbytes = 0  # made ahead of the saves by `reserve`
+        self.reserve_seconds: float | None = None  # how long the last reservation took
+        self._report: tuple[int, str] | None = None
+        # Made by a snapshot that found no buffer free: time the training loop paid.
+        self.on_demand: Counter[BufferKind] = Counter()
+        self.on_demand_nbytes = 0
 
     def take(self, source: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """A buffer shaped like `source`, and whether it is pinned (then the copy may be asynchronous)."""
+        """A buffer shaped like `source`, and whether it is pinned (then the copy may be asynchronous). Waits for one
+        the reserving thread is making rather than making a second."""
         shape, dtype = tuple(source.shape), source.dtype
         wanted = self.staging.wants_pinned(source)
-        with self._lock:
-            for pinned in (True, False) if wanted else (False,):
-                free = self._free.get((shape, dtype, pinned))
-                if free:
-                    return free.pop(), pinned
-        buffer, pinned = self.staging.allocate(shape, dtype, wanted)
-        if pinned:
-            with self._lock:
-                self._pinned.add(buffer.data_ptr())
+        with self._condition:
+            while True:
+                for pinned in (True, False) if wanted else (False,):
+                    free = self._free.get((shape, dtype, pinned))
+                    if free:
+                        return free.pop(), pinned
+                if not self._being_made[(shape, dtype)]:
+                    break
+                self._condition.wait()
+            self._made[(shape, dtype)] += 1
+        buffer, pinned = self._make(shape, dtype, wanted, prefault=False)
+        with self._condition:
+            self.on_demand[(shape, dtype)] += 1
+            self.on_demand_nbytes += buffer.numel() * buffer.element_size()
         return buffer, pinned
 
     def give_back(self, buffers: Iterable[torch.Tensor]) -> None:
-        with self._lock:
+        with self._condition:
             for buffer in buffers:
                 pinned = buffer.numel() > 0 and buffer.data_ptr() in self._pinned
                 self._free.setdefault((tuple(buffer.shape), buffer.dtype, pinned), []).append(buffer)
+            self._condition.notify_all()
+
+    def reserve(self, tensors: Iterable[torch.Tensor], sets: int) -> None:
+        """Start making, on a background thread, the buffers `sets` snapshots of `tensors` take (one set first, then
+        the next; counting the buffers the pool already has), and return at once.
+
+        Called once the state's tensors exist (after the first optimizer step, which creates the optimizer's state).
+        Two sets let a save find buffers while the writer still holds the previous save's. A save that comes before
+        the reservation is complete waits for a buffer being made, or makes the ones not begun itself.
+        """
+        plan: list[tuple[tuple[int, ...], torch.dtype, bool]] = []
+        for tensor in tensors:
+            tensor = local_part(tensor)
+            plan.append((tuple(tensor.shape), tensor.dtype, self.staging.wants_pinned(tensor)))
+        thread = threading.Thread(target=self._make_reserved, args=(plan * sets,), name="perdure-staging", daemon=True)
+        with self._condition:
+            if self._reserving is not None and self._reserving.is_alive():
+                raise RuntimeError("a reservation of snapshot buffers is already under way")
+            self._reserving = thread
+        thread.start()
+
+    def wait_reserved(self, timeout: float | None = None) -> bool:
+        """Block until the reservation under way (if any) is complete; False if `timeout` passed first."""
+        thread = self._reserving
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def idle_nbytes(self) -> int:
+        """Bytes of buffers free now or being made: memory a snapshot of that size does not need to allocate."""
+        with self._condition:
+            free = sum(b.numel() * b.element_size() for buffers in self._free.values() for b in buffers)
+            coming = sum(math.prod(shape) * dtype.itemsize * n for (shape, dtype), n in self._being_made.items())
+        return free + coming
+
+    def _make_reserved(self, plan: list[tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
+        wanted: Counter[BufferKind] = Counter()
+        started, made = time.perf_counter(), 0
+        try:
+            for shape, dtype, pinned in plan:
+                kind = (shape, dtype)
+                wanted[kind] += 1
+                with self._condition:
+                    if self._made[kind] >= wanted[kind]:
+                        continue
+                    self._made[kind] += 1
+                    self._being_made[kind] += 1
+                try:
+                    buffer, pinned = self._make(shape, dtype, pinned, prefault=True)
+                except BaseException:
+                    with self._condition:
+                        self._made[kind] -= 1
+                        self._being_made[kind] -= 1
+                        self._condition.notify_all()
+                    raise
+                with self._condition:  # free in the same breath as no longer being made: a waiting take finds it
+                    self._being_made[kind] -= 1
+                    self._free.setdefault((shape, dtype, pinned), []).append(buffer)
+                    self.reserved_nbytes += buffer.numel() * buffer.element_size()
+                    self._condition.notify_all()
+                made += buffer.numel() * buffer.element_size()
+        except Exception as error:  # out of host memory: the saves allocate what they lack themselves
+            report = (logging.WARNING, f"making snapshot buffers ahead of the saves stopped ({human_bytes(made)} "
+                      f"made): {type(error).__name__}: {error}")  # fmt: skip
+        else:
+            self.reserve_seconds = time.perf_counter() - started
+            report = (logging.INFO, f"snapshot buffers ready: {human_bytes(made)} made in the background in "
+                      f"{self.reserve_seconds:.2f}s")  # fmt: skip
+        with self._condition:
+            self._report = report
+
+    def take_report(self) -> tuple[int, str] | None:
+        """How the last reservation ended (a log level and a message), once; None while it runs or once taken. The
+        training loop logs it, not the reserving thread: a log line belongs to the run whose loop it is."""
+        with self._condition:
+            report, self._report = self._report, None
+        return report
+
+    def _make(
+        self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, prefault: bool
+    ) -> tuple[torch.Tensor, bool]:
+        buffer, pinned = self.staging.allocate(shape, dtype, pinned, prefault=prefault)
+        if pinned:
+            with self._condition:
+                self._pinned.add(buffer.data_ptr())
+        return buffer, pinned
 
 
 class Snapshot:

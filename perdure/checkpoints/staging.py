@@ -3,10 +3,13 @@
 A GPU tensor is copied into a pinned (page-locked) host buffer with `non_blocking=True`, on a dedicated CUDA stream
 that first waits for the training stream; an event recorded behind the copies is what the training stream waits on
 (on the device: the host goes on) before anything changes the tensor. Pinned memory is scarce and slow to allocate, so
-the buffers are pooled and reused by the next snapshot (`BufferPool` in snapshot.py). When pinning fails, the policy
-falls back to pageable buffers, copied by the snapshot's background thread, and says so once. For a writer process
-the buffers are shared memory (pinned by registering their pages with CUDA), so that process reads the very bytes the
-copies wrote, with no copy in between. CPU tensors always get pageable (or shared) buffers.
+the buffers are pooled, made ahead of the first save on a background thread and reused by every snapshot after it
+(`BufferPool` in snapshot.py). A buffer is pinned by registering ordinary memory with CUDA (`cudaHostRegister`) after
+its pages were faulted in, not by `cudaHostAlloc`: PyTorch's own host allocator offers registration because of the long
+lock waits of `cudaHostAlloc` (pytorch#108488), and it rounds each block up to a power of two. When pinning fails,
+the policy falls back to pageable buffers, copied by the snapshot's background thread, and says so once. For a writer
+process the buffers are shared memory, so that process reads the very bytes the copies wrote, with no copy in between.
+CPU tensors always get pageable (or shared) buffers.
 
 Everything CUDA-specific sits behind two seams a test can replace: `allocate_pinned` (which may fail) and `copies`
 (the engine that starts device-to-host copies and returns a fence).
@@ -47,17 +50,17 @@ class DeviceCopies(Protocol):
 
 
 def allocate_pinned(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
-    """A page-locked host buffer; in shared memory, pinned by registering its pages with CUDA, when `shared`.
+    """A page-locked host buffer (in shared memory when `shared`): ordinary memory whose pages are faulted in first,
+    then registered with CUDA for every context (cudaHostRegisterPortable, as DCP's own staging registers it).
 
     Raises when CUDA cannot pin it (no CUDA, the pinned-memory limit reached, ...).
     """
-    if not shared:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
-    buffer = torch.empty(shape, dtype=dtype).share_memory_()
-    # cudaHostRegisterPortable (1): pinned for every CUDA context, as DCP's own shared staging registers it.
+    buffer = torch.empty(shape, dtype=dtype)
+    # Moving it into shared memory copies it, which writes every page; a private buffer is zeroed for the same end.
+    buffer = buffer.share_memory_() if shared else buffer.zero_()
     error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 1))
     if error != 0:
-        raise RuntimeError(f"cudaHostRegister of a shared buffer of {list(shape)} failed with cudaError {error}")
+        raise RuntimeError(f"cudaHostRegister of a host buffer of {list(shape)} failed with cudaError {error}")
     weakref.finalize(buffer, _unpin, buffer.data_ptr())
     return buffer
 
@@ -134,8 +137,14 @@ class Staging:
         """Whether a buffer for `source` should be pinned: a device tensor with data, while pinning works."""
         return self.pin and source.numel() > 0 and self.on_device(source)
 
-    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> tuple[torch.Tensor, bool]:
-        """A new buffer and whether it is pinned: pinned when asked and possible, else pageable (shared if so set)."""
+    def allocate(
+        self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, prefault: bool = False
+    ) -> tuple[torch.Tensor, bool]:
+        """A new buffer and whether it is pinned: pinned when asked and possible, else pageable (shared if so set).
+
+        `prefault`: write every page of a pageable buffer now (a background thread making buffers ahead of a save),
+        so the snapshot's copy into it does not pay a page fault per 4 KB. Pinned and shared buffers always are.
+        """
         if pinned and self.pin:
             try:
                 return self.allocate_pinned(shape, dtype, self.shared), True
@@ -150,7 +159,9 @@ class Staging:
                     self.pin_failure,
                 )
         buffer = torch.empty(shape, dtype=dtype, device="cpu")
-        return (buffer.share_memory_() if self.shared else buffer), False
+        if self.shared:
+            return buffer.share_memory_(), False
+        return (buffer.zero_() if prefault else buffer), False
 
     def start_copies(self, now: CopyPairs, later: CopyPairs) -> tuple[list[CopyFence], list[CopyFence]]:
         """Start the copies into pinned buffers, per device: `now` first, ordered at once before anything the loop

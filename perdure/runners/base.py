@@ -499,6 +499,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
             self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.unwrap_model())
+        self._reserve_snapshot_buffers()
         self.state.global_step += 1
         self._losses.append(loss)
         self.telemetry.step(self.state.global_step)

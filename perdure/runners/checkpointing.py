@@ -14,6 +14,7 @@ from perdure.checkpoints.async_save import SaveOutcome
 from perdure.checkpoints.base import Stateful
 from perdure.checkpoints.commit import checkpoint_name, read_pointer
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
+from perdure.checkpoints.snapshot import storage_key
 from perdure.checkpoints.source import RestoreSource
 from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError
@@ -35,6 +36,8 @@ class CheckpointingMixin:
     """The runner's side of the checkpoint contract: which objects go in (and in what order they come back), when a
     position counts as saved, failures, exports, and the `from_checkpoint` / `from_pretrained` constructors. Part of
     `BaseRunner` (one concept per file); the bytes and the commit protocol belong to the CheckpointManager."""
+
+    _snapshot_buffers_reserved = False  # by the first optimizer step of the attempt
 
     def checkpoint_states(self) -> dict[str, Stateful]:
         """Replicated objects, in restore order: state, model, EMA, optimizer, scheduler, then the stack's extras."""
@@ -105,6 +108,18 @@ class CheckpointingMixin:
         if self.config.training_mode() == "epochs" and self.state.samples_in_epoch == 0:
             return checkpoint_name(epoch=self.state.epoch)
         return checkpoint_name(step=self.state.global_step)
+
+    def _reserve_snapshot_buffers(self) -> None:
+        """After each optimizer step; once per attempt, the first time: the host buffers of async saves are made in
+        the background while training goes on (see `CheckpointManager.reserve_snapshot_buffers`)."""
+        if self._snapshot_buffers_reserved:
+            return
+        self._snapshot_buffers_reserved = True
+        if self.config.ckpt.enabled and self.config.ckpt.async_mode != "disabled":
+            tensors = {}  # by storage: a parameter is in the model's state dict and among what the step changes
+            for tensor in [*self.unwrap_model().state_dict().values(), *self._tensors_changed_by_step()]:
+                tensors.setdefault(storage_key(tensor), tensor)
+            self.checkpoints.reserve_snapshot_buffers(tensors.values())
 
     def _tensors_changed_by_step(self) -> list[torch.Tensor]:
         """Tensors only the optimizer step (and the EMA update after it) changes: an async save copies them late."""

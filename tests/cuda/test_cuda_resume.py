@@ -87,6 +87,22 @@ def test_gpu_snapshots_use_pinned_buffers_and_order_the_step_on_the_device():
     assert torch.equal(again.replicated["param"], param.cpu())
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_reserved_buffers_are_pinned_and_a_snapshot_after_them_allocates_nothing(shared):
+    param, moment = torch.randn(1024, 1024, device="cuda"), torch.randn(4096, device="cuda")
+    pool = BufferPool(shared_memory=shared)
+    pool.reserve([param, moment], sets=2)
+    assert pool.wait_reserved(120) and pool.reserved_nbytes == 2 * (1024 * 1024 + 4096) * 4
+    snapshots = [Snapshot({"p": param, "m": moment}, {}, deferred=[param, moment], pool=pool) for _ in range(2)]
+    assert pool.on_demand_nbytes == 0
+    for snapshot in snapshots:
+        assert all(buffer.is_pinned() and buffer.is_shared() == shared for buffer in snapshot.buffers)
+        snapshot.fence()
+        snapshot.wait()
+        assert torch.equal(snapshot.replicated["p"], param.cpu())
+        assert torch.equal(snapshot.replicated["m"], moment.cpu())
+
+
 def test_buffers_for_a_writer_process_are_shared_and_pinned():
     buffer, pinned = BufferPool(shared_memory=True).take(torch.ones(4096, device="cuda"))
     assert pinned and buffer.is_shared() and buffer.is_pinned()
