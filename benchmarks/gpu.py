@@ -3,6 +3,9 @@ checkpoint against a sync one, for a model of more than 400M parameters. Without
 
     python benchmarks/gpu.py [--rounds 3] [--skip-stall] [--skip-steps]
     python benchmarks/gpu.py --device cpu --smoke    # the code paths on a CPU, tiny sizes: no measurement
+    python benchmarks/gpu.py --skip-steps --interval 90 --stall-steps 271 --profile DIR
+        # also torch.profiler traces (chrome format) of the steps around the second thread / process save, in DIR:
+        # where a save's time goes; the profiler's own cost distorts those runs' stall numbers
 
 Step time (`mlp`: 3 x Linear(2048) fp32; `gpt`: a 6-layer GPT, d 512, bf16 autocast): both sides read the same data
 through the same loader class and sampler (torchdata StatefulDataLoader + perdure's ResumableSampler; pinned, moved
@@ -250,9 +253,22 @@ class StallRunner(Runner):
         self.ticks: list[float] = []
         self.loop_end: float | None = None
         self.pool = None
+        self.profile_steps: tuple[int, int] | None = None  # a torch.profiler trace of the steps in [first, last)
+        self.profile_path: Path | None = None
+        self.profiler: Any = None
 
     def train_step(self, batch: Any) -> torch.Tensor:
         self.ticks.append(time.perf_counter())
+        if self.profile_steps and self.state.global_step == self.profile_steps[0]:
+            self.profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU]
+                + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            )
+            self.profiler.__enter__()
+        elif self.profiler is not None and self.state.global_step == self.profile_steps[1]:
+            self.profiler.__exit__(None, None, None)
+            self.profiler.export_chrome_trace(str(self.profile_path))
+            self.profiler = None
         return gpt_loss(self.model, self.unpack_batch(batch))
 
     def _reserve_snapshot_buffers(self) -> None:
@@ -282,6 +298,10 @@ def stall_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any
     config.workspace.root = str(root)
     config.workspace.id = mode
     runner = StallRunner(config, args.smoke)
+    if args.profile and mode in ("thread", "process"):  # the steps around the second save
+        runner.profile_steps = (2 * args.interval - 2, 2 * args.interval + 4)
+        runner.profile_path = Path(args.profile) / f"stall-{mode}.json"
+        runner.profile_path.parent.mkdir(parents=True, exist_ok=True)
     parameters = sum(p.numel() for p in runner.model.parameters())
     runner.train()
     ticks = runner.ticks
@@ -316,7 +336,8 @@ def measure_stall(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     for mode in STALL_MODES:
         command = [sys.executable, __file__, "--stall-mode", mode, "--root", str(scratch / mode),
                    "--stall-steps", str(args.stall_steps), "--interval", str(args.interval),
-                   "--device", args.device] + (["--smoke"] if args.smoke else [])  # fmt: skip
+                   "--device", args.device] + (["--smoke"] if args.smoke else []) \
+                  + (["--profile", args.profile] if args.profile else [])  # fmt: skip
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         results[mode] = json.loads(output.strip().splitlines()[-1])
         shutil.rmtree(scratch / mode, ignore_errors=True)  # ~5 GB per checkpoint of the full-size model
@@ -343,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-stall", action="store_true", help="skip the async-stall comparison")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the code paths, measure nothing")
+    parser.add_argument("--profile", help="write torch.profiler traces of the steps around the second async save here")
     parser.add_argument("--stall-mode", choices=STALL_MODES, help=argparse.SUPPRESS)  # internal: one stall run
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

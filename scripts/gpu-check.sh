@@ -8,6 +8,7 @@
 #   tests   tests/cuda (kill -9 + rerun bit-exact on the GPU, pinned staging)
 #   bench   benchmarks/gpu.py (runner vs hand loop, async vs sync stall of a 435M GPT)
 #   stall   the stall part alone, with saves 90 steps apart
+#   profile the same, with torch.profiler traces (chrome format) of the steps around the second save in $OUT/traces
 #   suite   the single-process tests that resume, with CUDA visible (DDP tests run on gloo with CUDA hidden elsewhere)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -35,6 +36,11 @@ for step in "${steps[@]}"; do
     stall)  # saves far enough apart for the disk to keep up (a sync save of the 435M GPT took 6.5 s on an H100)
       timeout 260 python3 benchmarks/gpu.py --skip-steps --stall-steps 271 --interval 90 2>&1 | tee "$OUT/gpu-stall.log"
       cp bench-results/gpu.json "$OUT/gpu-stall.json" 2>/dev/null
+      ;;
+    profile)  # the stall runs again, with torch.profiler traces of the steps around the second save in $OUT/traces
+      timeout 300 python3 benchmarks/gpu.py --skip-steps --stall-steps 271 --interval 90 --profile "$OUT/traces" 2>&1 \
+        | tee "$OUT/gpu-profile.log"
+      gzip -f "$OUT"/traces/*.json 2>/dev/null
       ;;
     suite)
       timeout 170 python3 -m pytest -v -p no:cacheprovider -n 12 -k "not wandb" \

@@ -18,6 +18,11 @@ REPO = Path(__file__).parent.parent
 # Test runs pin the code part of their run directory: a test that kills and reruns a program must find the same run
 # even when the checkout is edited meanwhile (tests of the code identity itself use repositories of their own).
 PINNED_CODE = ("--workspace.code_id", "tests")
+# On a GPU a resumed run continues bit for bit only with deterministic kernels (docs/checkpoints.md; attention's
+# backward is not otherwise): the programs these tests launch ask for them there, before their own arguments (which
+# may say otherwise). On a CPU nothing is added.
+GPU_DETERMINISM = ("--deterministic", "true") if torch.cuda.is_available() else ()
+LAUNCH_DEFAULTS = (*PINNED_CODE, *GPU_DETERMINISM)
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -30,7 +35,7 @@ def environment(**extra: str) -> dict[str, str]:
 
 def run(script: str, root: Path, *args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
     """Run a training script to completion with `workspace.root = root`."""
-    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *PINNED_CODE, *args]
+    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
     return subprocess.run(command, env=environment(**env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -38,7 +43,7 @@ def run_until_killed(
     script: str, root: Path, *args: str, when_exists: str, delay: float = 0.0, timeout: float = 240, **env: str
 ) -> subprocess.CompletedProcess:
     """Start a run, wait until `root/<glob when_exists>` exists, wait `delay` more, then SIGKILL it."""
-    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *PINNED_CODE, *args]
+    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
     process = subprocess.Popen(
         command, env=environment(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -167,7 +172,7 @@ def start_ranks(
             MASTER_PORT=port,
             **env,
         )
-        command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *PINNED_CODE, *args]
+        command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
         processes.append(
             subprocess.Popen(command, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from perdure.loggers.metrics_csv import read_metrics_csv
-from tests.runs import skip_unless_ranks_fit
+from tests.runs import GPU_DETERMINISM, skip_unless_ranks_fit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -89,6 +89,7 @@ def test_ft_local_kills_a_replica_group_and_heals_it(tmp_path):
 GPT_ARGS = ("--config", str(CONFIGS / "nanogpt_char-tiny.yaml"), "--steps", "40", "--ckpt.interval", "20")
 GPT_ARGS += ("--eval.interval", "20", "--sample.length", "0", "--sched.total_steps", "40")  # a schedule of its own:
 # the killed run is given a larger budget (so that it cannot finish before the kill) without changing its curve
+GPT_ARGS += GPU_DETERMINISM
 THROUGHPUT_COLUMNS = ("step_time", "samples_per_s", "tokens_per_s", "mfu", "peak_memory_mib", "eta")
 
 
@@ -154,6 +155,7 @@ def test_nanogpt_char_compiled_killed_and_resumed_bit_for_bit(gpt_reference, tmp
 # ---------------------------------------------------------------------- stream_tokens: an IterableDataset's position
 
 STREAM_ARGS = ("--steps", "40", "--ckpt.interval", "10", "--data.block_size", "256", "--log.interval", "10")
+STREAM_ARGS += GPU_DETERMINISM
 
 
 def test_stream_tokens_resumes_its_stream_where_it_was(tmp_path):

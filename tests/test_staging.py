@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+import perdure.checkpoints.base as manager_module
 from perdure.checkpoints.async_save import AsyncSaver, BufferPickler, BufferUnpickler, SaveJob
 from perdure.checkpoints.base import snapshot_buffer_sets
 from perdure.checkpoints.snapshot import BufferPool, Snapshot, storage_key
@@ -314,6 +315,17 @@ def test_the_runner_reserves_after_its_first_step_and_no_save_makes_a_buffer_for
     # holds the first's (one set for pageable buffers), once.
     assert not state_kinds & set(runner.made_by_first_save), runner.made_by_first_save
     assert runner.checkpoints.last_saved == "ckpt-s000000000009"
+
+
+@pytest.mark.parametrize("ranks_on_host, reserved", [(None, True), ("4", False)])
+def test_the_ranks_of_one_host_reserve_a_share_of_its_free_memory_each(tmp_path, monkeypatch, ranks_on_host, reserved):
+    runner = WaitsForItsBuffers(make_config(tmp_path, **{"steps": 3, "ckpt.interval": 3, "ckpt.async_mode": "thread"}))
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    monkeypatch.setattr(manager_module, "available_memory", lambda: int(2 * state_bytes / 0.8))  # two states' worth
+    if ranks_on_host:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks_on_host)  # then each rank's share holds half a state
+    runner.train()
+    assert (runner.pool.reserved_nbytes >= state_bytes) is reserved and runner.pool.reserved_nbytes < 2 * state_bytes
 
 
 def test_two_sets_of_pinned_buffers_one_of_pageable_and_fewer_when_memory_is_short():

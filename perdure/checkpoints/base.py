@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -79,6 +80,13 @@ def snapshot_buffer_sets(needed: int, room: float, pinned: bool) -> int:
     bytes cannot hold them."""
     wanted = 2 if pinned else 1
     return next((sets for sets in range(wanted, 0, -1) if sets * needed <= room), 0)
+
+
+def _int_env(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
 
 
 class CheckpointManager(ABC):
@@ -245,7 +253,10 @@ class CheckpointManager(ABC):
         needed = snapshot_nbytes(tensors)
         pool = self._async_saver().pool
         pinned = any(pool.staging.wants_pinned(local_part(tensor)) for tensor in tensors)
-        sets = snapshot_buffer_sets(needed, MEMORY_HEADROOM * (available_memory() + pool.idle_nbytes()), pinned)
+        # Every rank on this host reserves at about the same time, each seeing the same free memory: a share each.
+        sharing = max(1, _int_env("LOCAL_WORLD_SIZE", 1))
+        room = MEMORY_HEADROOM * (available_memory() / sharing + pool.idle_nbytes())
+        sets = snapshot_buffer_sets(needed, room, pinned)
         if sets == 0 or needed == 0:
             return
         logger.info(

@@ -14,7 +14,7 @@ import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
 from tests.runs import (
-    PINNED_CODE,
+    LAUNCH_DEFAULTS,
     SCRIPTS,
     assert_ok,
     assert_same_weights,
@@ -41,7 +41,7 @@ def assert_latest_verifies(root: Path) -> None:
 
 def kill_at_random(root: Path, args: tuple[str, ...], delay: float, loss_log: Path) -> int:
     """Start the run, wait until it trains (or up to 20 s), wait `delay` more, SIGKILL. Returns the exit code."""
-    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *PINNED_CODE, *args]
+    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
     before = loss_log.stat().st_size if loss_log.exists() else 0
     process = subprocess.Popen(
         command,

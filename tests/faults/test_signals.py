@@ -15,7 +15,7 @@ import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
 from tests.runs import (
-    PINNED_CODE,
+    LAUNCH_DEFAULTS,
     SCRIPTS,
     assert_ok,
     assert_same_weights,
@@ -30,7 +30,8 @@ ARGS = ("--steps", "40", "--ckpt.interval", "10", "--accum_steps", "2")
 
 
 def start(root, loss_log, *args, **env):
-    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *PINNED_CODE, *ARGS, *args]
+    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *ARGS]
+    command += args
     return subprocess.Popen(
         command,
         env=environment(LOSS_LOG=loss_log, STEP_SLEEP="0.03", **env),
