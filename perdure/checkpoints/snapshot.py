@@ -109,10 +109,18 @@ class BufferPool:
         the reservation is complete waits for a buffer being made, or makes the ones not begun itself.
         """
         plan: list[tuple[tuple[int, ...], torch.dtype, bool]] = []
+        devices = set()
         for tensor in tensors:
             tensor = local_part(tensor)
             plan.append((tuple(tensor.shape), tensor.dtype, self.staging.wants_pinned(tensor)))
-        thread = threading.Thread(target=self._make_reserved, args=(plan * sets,), name="perdure-staging", daemon=True)
+            if tensor.device.type == "cuda":
+                devices.add(tensor.device)
+        # CUDA calls of a new thread go to device 0 unless it says otherwise: on a rank of a multi-GPU host that would
+        # create a context on another rank's GPU. The thread works in the context of the device the state lives on.
+        device = min(devices, key=lambda d: d.index or 0) if devices else None
+        thread = threading.Thread(
+            target=self._make_reserved, args=(plan * sets, device), name="perdure-staging", daemon=True
+        )
         with self._condition:
             if self._reserving is not None and self._reserving.is_alive():
                 raise RuntimeError("a reservation of snapshot buffers is already under way")
@@ -134,10 +142,14 @@ class BufferPool:
             coming = sum(math.prod(shape) * dtype.itemsize * n for (shape, dtype), n in self._being_made.items())
         return free + coming
 
-    def _make_reserved(self, plan: list[tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
+    def _make_reserved(
+        self, plan: list[tuple[tuple[int, ...], torch.dtype, bool]], device: torch.device | None
+    ) -> None:
         wanted: Counter[BufferKind] = Counter()
         started, made = time.perf_counter(), 0
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             for shape, dtype, pinned in plan:
                 kind = (shape, dtype)
                 wanted[kind] += 1

@@ -83,14 +83,16 @@ class CudaFence:
         torch.cuda.current_stream(self.device).wait_event(self.event)
 
     def wait(self) -> None:
-        self.event.synchronize()
+        with torch.cuda.device(self.device):  # the writer thread's CUDA calls: this device's context, not device 0's
+            self.event.synchronize()
         self._sources = []
 
     def done(self) -> bool:
-        if self.event.query():
+        with torch.cuda.device(self.device):
+            complete = self.event.query()
+        if complete:
             self._sources = []
-            return True
-        return False
+        return complete
 
 
 class CudaCopies:
