@@ -34,7 +34,6 @@ from perdure.checkpoints.async_save import WRITER_PROCESS_NAME
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy, Stateful
 from perdure.checkpoints.select import manager_class as select_manager_class
 from perdure.config import RunnerConfig
-from perdure.data.iterable import warn_if_unresumable
 from perdure.data.loader import ResumableLoader
 from perdure.distributed.collectives import max_over_ranks
 from perdure.errors import PerdureError
@@ -49,11 +48,12 @@ from perdure.runners.attempt import AttemptMixin
 from perdure.runners.cadence import Cadence
 from perdure.runners.checkpointing import CheckpointingMixin, building_for_inspection
 from perdure.runners.compile import uncompiled
+from perdure.runners.data_setup import DataSetupMixin
 from perdure.runners.determinism import configure_determinism
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.evaluation import EvaluationMixin
 from perdure.runners.export import read_weights
-from perdure.runners.losses import mean_loss
+from perdure.runners.metrics import MetricsMixin
 from perdure.runners.optim import build_optimizer, build_scheduler
 from perdure.runners.peak_flops import device_peak_flops
 from perdure.runners.rng import derived_seed, seed_everything
@@ -79,7 +79,7 @@ class RunnerMeta(ABCMeta):
         return runner
 
 
-class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=RunnerMeta):
+class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin, DataSetupMixin, metaclass=RunnerMeta):
     """The training lifecycle shared by every stack. Subclass a stack (or `Runner`), not this class."""
 
     # None: the manager comes from `ckpt.backend` (`perdure.checkpoints.select.manager_class`: auto is DCP with several
@@ -587,18 +587,6 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
     def best_score(self) -> float | None:
         return self.state.best_score
 
-    # ---- logging ----------------------------------------------------------------------------------------------
-
-    def _log_train_progress(self) -> None:
-        if not self._losses:
-            return
-        loss = mean_loss(self._losses)  # floats carried over a resume, then this run's tensors
-        self._losses.clear()
-        metrics = {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
-        metrics.update(self.meter.metrics(self.state.global_step))
-        self.log_metrics("train", metrics)
-        self.telemetry.flush()
-
     def _start_meter(self, loader: ResumableLoader) -> None:
         """The loop starts: what the log lines' throughput columns need (token counting, FLOPs, peak, budget)."""
         if self.config.training_mode() == "steps":
@@ -615,49 +603,3 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, metaclass=Ru
             flops_per_token=self.flops_per_token(),
             peak_flops=device_peak_flops(device, self.config.precision, self.config.perf.peak_flops),
         )
-
-    def log_metrics(self, split: str, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Report metrics of `split` at `step` (default: the current global step) to the console, the log file,
-        metrics.csv, TensorBoard / W&B and the sidecar. Only the main process reports; others return."""
-        self.telemetry.log_metrics(split, metrics, self.state.global_step if step is None else step)
-
-    def log_image(self, tag: str, image: Any, step: int | None = None) -> None:
-        """Save an image (HW, HWC or CHW; float in [0, 1] or uint8) under `media/<tag>/` and forward it to
-        TensorBoard / W&B. Only the main process writes."""
-        self.telemetry.log_image(tag, image, self.state.global_step if step is None else step)
-
-    # ---- construction helpers ----------------------------------------------------------------------------------
-
-    def build_dataloaders(self) -> None:
-        """One ResumableLoader per dataset the user assigned; per-split options from `dataloader.<split>.*`."""
-        if "train" not in self.datasets:
-            raise PerdureError(f"{type(self).__name__}.__init__ must assign self.datasets['train']")
-        shard, shards = self.data_shard()
-        for split, dataset in self.datasets.items():
-            if split in self.dataloaders:
-                continue
-            options = self.config.loader_options(split)
-            # Training batches are sharded over every data-parallel process; evaluation over this job's data shards.
-            rank, world_size = self.data_parallel_rank() if split == "train" else (shard, shards)
-            self.dataloaders[split] = ResumableLoader(
-                dataset,
-                batch_size=options["batch_size"],
-                shuffle=bool(options["shuffle"]) and split == "train",
-                num_workers=options["num_workers"],
-                drop_last=bool(options["drop_last"]) and split == "train",
-                pin_memory=bool(options["pin_memory"]),
-                seed=self.config.seed,
-                rank=rank,
-                world_size=world_size,
-                pad=split == "train",  # evaluation shares are uneven rather than padded with repeats
-            )
-            warn_if_unresumable(split, dataset)
-
-    def total_steps_hint(self) -> int:
-        """The step budget a scheduler should span (epoch mode: epochs times optimizer steps per epoch)."""
-        if self.config.training_mode() == "steps":
-            return self.config.steps
-        dataset = self.datasets.get("train")
-        readers = self.data_parallel_rank()[1]
-        batches = math.ceil(len(dataset) / (self.config.loader_options("train")["batch_size"] * readers))
-        return self.config.epochs * math.ceil(batches / self.config.accum_steps)

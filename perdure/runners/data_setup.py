@@ -1,0 +1,48 @@
+"""Data setup: the part of the runner that builds its dataloaders and tells the step budget they span."""
+
+from __future__ import annotations
+
+import math
+
+from perdure.data.iterable import warn_if_unresumable
+from perdure.data.loader import ResumableLoader
+from perdure.errors import PerdureError
+
+
+class DataSetupMixin:
+    """One ResumableLoader per split, and the scheduler's step budget. Part of `BaseRunner` (one concept per file); it
+    uses the runner's `config`, `datasets`, `dataloaders` and the stack's `data_shard` / `data_parallel_rank`."""
+
+    def build_dataloaders(self) -> None:
+        """One ResumableLoader per dataset the user assigned; per-split options from `dataloader.<split>.*`."""
+        if "train" not in self.datasets:
+            raise PerdureError(f"{type(self).__name__}.__init__ must assign self.datasets['train']")
+        shard, shards = self.data_shard()
+        for split, dataset in self.datasets.items():
+            if split in self.dataloaders:
+                continue
+            options = self.config.loader_options(split)
+            # Training batches are sharded over every data-parallel process; evaluation over this job's data shards.
+            rank, world_size = self.data_parallel_rank() if split == "train" else (shard, shards)
+            self.dataloaders[split] = ResumableLoader(
+                dataset,
+                batch_size=options["batch_size"],
+                shuffle=bool(options["shuffle"]) and split == "train",
+                num_workers=options["num_workers"],
+                drop_last=bool(options["drop_last"]) and split == "train",
+                pin_memory=bool(options["pin_memory"]),
+                seed=self.config.seed,
+                rank=rank,
+                world_size=world_size,
+                pad=split == "train",  # evaluation shares are uneven rather than padded with repeats
+            )
+            warn_if_unresumable(split, dataset)
+
+    def total_steps_hint(self) -> int:
+        """The step budget a scheduler should span (epoch mode: epochs times optimizer steps per epoch)."""
+        if self.config.training_mode() == "steps":
+            return self.config.steps
+        dataset = self.datasets.get("train")
+        readers = self.data_parallel_rank()[1]
+        batches = math.ceil(len(dataset) / (self.config.loader_options("train")["batch_size"] * readers))
+        return self.config.epochs * math.ceil(batches / self.config.accum_steps)

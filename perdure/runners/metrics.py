@@ -1,0 +1,33 @@
+"""Metrics reporting: the part of the runner that turns the loop's losses and throughput into log lines and metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from perdure.runners.losses import mean_loss
+
+
+class MetricsMixin:
+    """The train log line, and the public `log_metrics` / `log_image`. Part of `BaseRunner` (one concept per file); it
+    uses the runner's `state`, `optimizer`, `meter`, `telemetry` and the loop's pending `_losses`."""
+
+    def _log_train_progress(self) -> None:
+        if not self._losses:
+            return
+        loss = mean_loss(self._losses)  # floats carried over a resume, then this run's tensors
+        self._losses.clear()
+        metrics = {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
+        metrics.update(self.meter.metrics(self.state.global_step))
+        self.log_metrics("train", metrics)
+        self.telemetry.flush()
+
+    def log_metrics(self, split: str, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Report metrics of `split` at `step` (default: the current global step) to the console, the log file,
+        metrics.csv, TensorBoard / W&B and the sidecar. Only the main process reports; others return."""
+        self.telemetry.log_metrics(split, metrics, self.state.global_step if step is None else step)
+
+    def log_image(self, tag: str, image: Any, step: int | None = None) -> None:
+        """Save an image (HW, HWC or CHW; float in [0, 1] or uint8) under `media/<tag>/` and forward it to
+        TensorBoard / W&B. Only the main process writes."""
+        self.telemetry.log_image(tag, image, self.state.global_step if step is None else step)
