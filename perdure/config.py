@@ -9,7 +9,6 @@ before anything is written.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,6 +19,16 @@ import yaml
 from typing_extensions import Self
 
 from perdure import config_help, config_text
+from perdure.config_checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_loader,
+    check_number,
+    check_path,
+    check_path_component,
+    check_root,
+)
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
 from perdure.ft.config import check_ft
@@ -361,33 +370,33 @@ class RunnerConfig(chanfig.Config):
             fix = "set exactly one of them: --steps N (optimizer steps) or --epochs N (passes over the data)"
             raise ConfigError("steps/epochs", {"steps": steps, "epochs": epochs}, fix)
         budget = "steps" if steps is not None else "epochs"
-        _check_int(budget, get(budget), 1)
-        _check_int("seed", get("seed"), None)
-        _check_number("dist.timeout", get("dist.timeout"), "a number of seconds > 0", lambda x: x > 0)
+        check_int(budget, get(budget), 1)
+        check_int("seed", get("seed"), None)
+        check_number("dist.timeout", get("dist.timeout"), "a number of seconds > 0", lambda x: x > 0)
         exit_code = get("resilience.exit_code")
         if exit_code is not None and not (is_int(exit_code) and 0 <= exit_code <= 255):
             raise ConfigError("resilience.exit_code", exit_code, "use an integer from 0 to 255, or None for 128+signal")
         for key, (minimum, optional) in _COUNTS.items():
-            _check_int(key, get(key), minimum, optional)
+            check_int(key, get(key), minimum, optional)
         for key, choices in _CHOICES.items():
-            _check_choice(key, get(key), choices)
+            check_choice(key, get(key), choices)
         for key in _BOOLS:
-            _check_bool(key, get(key))
+            check_bool(key, get(key))
         for key in ("checkpoint", "pretrained"):
-            _check_path(key, get(key))
-        _check_number("max_grad_norm", get("max_grad_norm"), "a number >= 0 (0: no clipping)", lambda x: x >= 0, True)
-        _check_number("perf.peak_flops", get("perf.peak_flops"), "None or FLOP/s > 0", lambda x: x > 0, True)
+            check_path(key, get(key))
+        check_number("max_grad_norm", get("max_grad_norm"), "a number >= 0 (0: no clipping)", lambda x: x >= 0, True)
+        check_number("perf.peak_flops", get("perf.peak_flops"), "None or FLOP/s > 0", lambda x: x > 0, True)
         backend = get("compile.backend")
         if not isinstance(backend, str) or not backend:
             raise ConfigError("compile.backend", backend, "use a torch.compile backend, e.g. inductor or aot_eager")
         if get("eval_interval") is not None:
             raise ConfigError("eval_interval", get("eval_interval"), "it is now eval.interval: --eval.interval N")
-        _check_number("ema.decay", get("ema.decay"), "a number between 0 and 1 (exclusive)", lambda x: 0 < x < 1)
-        _check_number("optim.lr", get("optim.lr"), "a number >= 0", lambda x: x >= 0)
-        _check_number("optim.weight_decay", get("optim.weight_decay"), "a number >= 0", lambda x: x >= 0)
-        _check_number("optim.eps", get("optim.eps"), "a number > 0", lambda x: x > 0)
-        _check_number("optim.momentum", get("optim.momentum"), "a number >= 0", lambda x: x >= 0)
-        _check_number("sched.min_lr_ratio", get("sched.min_lr_ratio"), "a number in [0, 1]", lambda x: 0 <= x <= 1)
+        check_number("ema.decay", get("ema.decay"), "a number between 0 and 1 (exclusive)", lambda x: 0 < x < 1)
+        check_number("optim.lr", get("optim.lr"), "a number >= 0", lambda x: x >= 0)
+        check_number("optim.weight_decay", get("optim.weight_decay"), "a number >= 0", lambda x: x >= 0)
+        check_number("optim.eps", get("optim.eps"), "a number > 0", lambda x: x > 0)
+        check_number("optim.momentum", get("optim.momentum"), "a number >= 0", lambda x: x >= 0)
+        check_number("sched.min_lr_ratio", get("sched.min_lr_ratio"), "a number in [0, 1]", lambda x: 0 <= x <= 1)
         betas = get("optim.betas")
         if not (
             isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas)
@@ -401,7 +410,7 @@ class RunnerConfig(chanfig.Config):
                 raise ConfigError(key, get(key), "use a string or None")
         for key in ("workspace.lineage", "workspace.id", "workspace.code_id"):
             check_path_component(key, get(key))
-        _check_root(get("workspace.root"))
+        check_root(get("workspace.root"))
         tags = get("workspace.tags")
         if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
@@ -450,7 +459,7 @@ class RunnerConfig(chanfig.Config):
             raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
 
     def _check_loaders(self, loader: Mapping[str, Any]) -> None:
-        _check_loader("dataloader", loader, required=True)
+        check_loader("dataloader", loader, required=True)
         options = set(self._split_options())
         for split, override in loader.items():
             if not isinstance(override, Mapping):
@@ -459,7 +468,7 @@ class RunnerConfig(chanfig.Config):
                 if option not in options:
                     fix = f"per-split dataloader options are {', '.join(sorted(options))}"
                     raise ConfigError(f"dataloader.{split}.{option}", override[option], fix)
-            _check_loader(f"dataloader.{split}", override, required=False)
+            check_loader(f"dataloader.{split}", override, required=False)
 
 
 # ---------------------------------------------------------------------- plain data helpers
@@ -541,88 +550,3 @@ def install_excepthook() -> None:
 
     hook._perdure = True  # type: ignore[attr-defined]
     sys.excepthook = hook
-
-
-# ---------------------------------------------------------------------- validators
-
-
-def _check_int(key: str, value: Any, minimum: int | None, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not is_int(value) or (minimum is not None and value < minimum):
-        wanted = "an integer" if minimum is None else f"an integer >= {minimum}"
-        raise ConfigError(key, value, f"use {wanted}{' or None' if optional else ''}")
-
-
-def _check_choice(key: str, value: Any, choices: tuple) -> None:
-    if not any(type(value) is type(choice) and value == choice for choice in choices):
-        shown = ", ".join("None" if c is None else str(c).lower() if isinstance(c, bool) else c for c in choices)
-        raise ConfigError(key, value, f"use one of: {shown}")
-
-
-def _check_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(key, value, "use true or false")
-
-
-def _check_number(key: str, value: Any, wanted: str, ok: Any, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not is_number(value) or not ok(value):
-        raise ConfigError(key, value, f"use {wanted}")
-
-
-def _check_path(key: str, value: Any) -> None:
-    if value is None:
-        return
-    try:
-        exists = isinstance(value, (str, os.PathLike)) and Path(value).expanduser().exists()
-    except (OSError, ValueError) as error:  # a NUL byte, a name longer than the filesystem allows, ...
-        raise ConfigError(key, value, f"not a usable path ({error}); pass an existing path or drop --{key}") from None
-    if not exists:
-        raise ConfigError(key, value, f"no such file or directory; pass an existing path or drop --{key}")
-
-
-MAX_NAME_BYTES = 128  # a run id or lineage; with the code id the group folder stays far below NAME_MAX (255)
-_UNSAFE_NAME = re.compile(r"[\x00-\x1f\x7f-\x9f/\\]")
-
-
-def _check_root(value: Any) -> None:
-    """`workspace.root` may be any path the user chooses, but one the filesystem can hold."""
-    if value is None:
-        return
-    text = os.fspath(value)
-    if "\0" in text:
-        raise ConfigError("workspace.root", value, "a path cannot hold a NUL character")
-    if too_long := [part for part in Path(text).parts if len(part.encode("utf-8", "surrogatepass")) > 255]:
-        fix = f"the directory name {too_long[0][:40]!r}... is longer than 255 bytes"
-        raise ConfigError("workspace.root", f"{text[:60]}...", fix)
-
-
-def check_path_component(key: str, value: Any) -> None:
-    """`value` (None, or a name that becomes one directory of the run's path: `workspace.id`, `workspace.lineage`)
-    must be a single path component: no separator, not `.` / `..`, no NUL or control character, at most
-    `MAX_NAME_BYTES` bytes. Raises `ConfigError` naming the key."""
-    if value is None:
-        return
-    name = os.fspath(value) if isinstance(value, os.PathLike) else value
-    if not isinstance(name, str) or not name:
-        raise ConfigError(key, value, "use a non-empty name (one directory name), or None for the default")
-    if name in (".", "..") or _UNSAFE_NAME.search(name):
-        raise ConfigError(
-            key,
-            value,
-            "use a single directory name: no '/', '\\', '.' or '..', NUL or control characters (it names a folder "
-            "under workspace.root; to put runs elsewhere set --workspace.root)",
-        )
-    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-        raise ConfigError(key, f"{name[:40]}... ({len(name)} characters)", f"use at most {MAX_NAME_BYTES} bytes")
-
-
-def _check_loader(prefix: str, options: Mapping[str, Any], required: bool) -> None:
-    for option, minimum in (("batch_size", 1), ("num_workers", 0)):
-        if required or option in options:
-            _check_int(f"{prefix}.{option}", options.get(option), minimum)
-    for option in ("shuffle", "drop_last", "pin_memory"):
-        if required or option in options:
-            _check_bool(f"{prefix}.{option}", options.get(option))
