@@ -88,6 +88,13 @@ def make_staging(device_tensors, pin=None, shared=False) -> tuple[Staging, Gated
     return staging, engine
 
 
+def released_pool(device_tensors, pin) -> tuple[BufferPool, Staging, GatedCopies]:
+    """A pool whose stand-in device copies complete at once."""
+    staging, engine = make_staging(device_tensors, pin)
+    engine.release.set()
+    return BufferPool(staging=staging), staging, engine
+
+
 def test_device_tensors_get_pinned_buffers_cpu_tensors_pageable_and_a_writer_process_shared_ones():
     gpu, cpu = torch.ones(3, 2), torch.ones(4)
     for shared in (False, True):
@@ -107,9 +114,7 @@ def test_device_tensors_get_pinned_buffers_cpu_tensors_pageable_and_a_writer_pro
 def test_pinned_buffers_are_pooled_and_reused_by_the_next_snapshot():
     gpu, cpu = torch.ones(8), torch.ones(2)
     pin = PinRecorder()
-    staging, engine = make_staging([gpu], pin)
-    engine.release.set()
-    pool = BufferPool(staging=staging)
+    pool, staging, engine = released_pool([gpu], pin)
     first = Snapshot({"w": gpu, "c": cpu}, {}, deferred=[gpu], pool=pool)
     first.wait()
     held = first.buffers
@@ -218,9 +223,7 @@ class GatedPin(PinRecorder):
 def test_reserved_buffers_serve_two_snapshots_without_allocating_in_the_loop():
     gpu, cpu = torch.ones(8), torch.ones(3)
     pin = PinRecorder()
-    staging, engine = make_staging([gpu], pin)
-    engine.release.set()
-    pool = BufferPool(staging=staging)
+    pool, staging, engine = released_pool([gpu], pin)
     pool.reserve([gpu, cpu], sets=2)
     assert pool.wait_reserved(30)
     assert len(pin.calls) == 2 and pool.reserved_nbytes == 2 * (8 + 3) * 4 and pool.idle_nbytes() == 88
@@ -238,9 +241,7 @@ def test_reserved_buffers_serve_two_snapshots_without_allocating_in_the_loop():
 def test_a_reservation_counts_the_buffers_the_pool_holds():
     gpu = torch.ones(5)
     pin = PinRecorder()
-    staging, engine = make_staging([gpu], pin)
-    engine.release.set()
-    pool = BufferPool(staging=staging)
+    pool, staging, engine = released_pool([gpu], pin)
     snapshot = Snapshot({"w": gpu}, {}, deferred=[gpu], pool=pool)
     snapshot.wait()
     pool.give_back(snapshot.buffers)
@@ -254,9 +255,7 @@ def test_a_reservation_counts_the_buffers_the_pool_holds():
 def test_a_snapshot_waits_for_a_buffer_being_made_instead_of_making_a_second():
     gpu = torch.arange(6.0)
     pin = GatedPin()
-    staging, engine = make_staging([gpu], pin)
-    engine.release.set()
-    pool = BufferPool(staging=staging)
+    pool, staging, engine = released_pool([gpu], pin)
     pool.reserve([gpu], sets=1)
     taken: list = []
     taker = threading.Thread(target=lambda: taken.append(pool.take(gpu)), daemon=True)
@@ -272,9 +271,7 @@ def test_a_snapshot_waits_for_a_buffer_being_made_instead_of_making_a_second():
 def test_a_pinning_failure_while_reserving_falls_back_to_pageable_buffers_with_one_warning(caplog):
     a, b = torch.ones(4), torch.ones(2, 2)
     pin = PinRecorder(fail_from=1)
-    staging, engine = make_staging([a, b], pin)
-    engine.release.set()
-    pool = BufferPool(staging=staging)
+    pool, staging, engine = released_pool([a, b], pin)
     with caplog.at_level(logging.WARNING, logger="perdure"):
         pool.reserve([a, b], sets=2)
         assert pool.wait_reserved(30)
