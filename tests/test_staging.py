@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import logging
+import mmap
 import threading
 import time
 
@@ -22,7 +23,7 @@ import perdure.checkpoints.base as manager_module
 from perdure.checkpoints.async_save import AsyncSaver, BufferPickler, BufferUnpickler, SaveJob
 from perdure.checkpoints.base import snapshot_buffer_sets
 from perdure.checkpoints.snapshot import BufferPool, Snapshot, storage_key
-from perdure.checkpoints.staging import Staging
+from perdure.checkpoints.staging import Staging, private_pages
 from tests.scripts.resumable import ResumableRunner, make_config
 
 
@@ -372,3 +373,14 @@ def test_a_reservation_that_runs_out_of_memory_is_reported_by_the_next_save_and_
     assert pool.take_report() is None  # reported once
     snapshot = Snapshot({"a": a, "b": b}, {}, pool=pool)
     assert pool.on_demand == {((3,), torch.float32): 1} and torch.equal(snapshot.replicated["b"], b)
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), torch.float32), ((), torch.bfloat16), ((7,), torch.bool)])
+def test_a_private_buffer_to_register_has_pages_of_its_own(shape, dtype):
+    buffers = [private_pages(shape, dtype) for _ in range(2)]
+    for buffer in buffers:
+        assert buffer.shape == shape and buffer.dtype == dtype and buffer.data_ptr() % mmap.PAGESIZE == 0
+        assert not buffer.any()  # a fresh anonymous mapping reads as zeros
+    buffers[0].fill_(1)  # writable, and no other buffer shares its pages
+    assert buffers[0].all() and not buffers[1].any()
+    assert private_pages((0, 4), dtype).shape == (0, 4)

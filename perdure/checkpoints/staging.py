@@ -4,12 +4,12 @@ A GPU tensor is copied into a pinned (page-locked) host buffer with `non_blockin
 that first waits for the training stream; an event recorded behind the copies is what the training stream waits on
 (on the device: the host goes on) before anything changes the tensor. Pinned memory is scarce and slow to allocate, so
 the buffers are pooled, made ahead of the first save on a background thread and reused by every snapshot after it
-(`BufferPool` in snapshot.py). A buffer is pinned by registering ordinary memory with CUDA (`cudaHostRegister`) after
-its pages were faulted in, not by `cudaHostAlloc`: PyTorch's own host allocator offers registration because of the long
-lock waits of `cudaHostAlloc` (pytorch#108488), and it rounds each block up to a power of two. When pinning fails,
-the policy falls back to pageable buffers, copied by the snapshot's background thread, and says so once. For a writer
-process the buffers are shared memory, so that process reads the very bytes the copies wrote, with no copy in between.
-CPU tensors always get pageable (or shared) buffers.
+(`BufferPool` in snapshot.py). A buffer is pinned by registering memory of its own pages (an anonymous mapping, or
+shared memory) with CUDA (`cudaHostRegister`) after its pages were faulted in, not by `cudaHostAlloc`: PyTorch's own
+host allocator offers registration because of the long lock waits of `cudaHostAlloc` (pytorch#108488), and it rounds
+each block up to a power of two. When pinning fails, the policy falls back to pageable buffers, copied by the
+snapshot's background thread, and says so once. For a writer process the buffers are shared memory, so that process
+reads the very bytes the copies wrote, with no copy in between. CPU tensors always get pageable (or shared) buffers.
 
 Everything CUDA-specific sits behind two seams a test can replace: `allocate_pinned` (which may fail) and `copies`
 (the engine that starts device-to-host copies and returns a fence).
@@ -18,6 +18,8 @@ Everything CUDA-specific sits behind two seams a test can replace: `allocate_pin
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,14 +57,25 @@ def allocate_pinned(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) ->
 
     Raises when CUDA cannot pin it (no CUDA, the pinned-memory limit reached, ...).
     """
-    buffer = torch.empty(shape, dtype=dtype)
-    # Moving it into shared memory copies it, which writes every page; a private buffer is zeroed for the same end.
-    buffer = buffer.share_memory_() if shared else buffer.zero_()
+    if shared:  # a mapping of its own; moving it into shared memory copies it, which writes every page
+        buffer = torch.empty(shape, dtype=dtype).share_memory_()
+    else:
+        buffer = private_pages(shape, dtype).zero_()  # zeroed: every page faulted in now, not under CUDA's lock
     error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 1))
     if error != 0:
         raise RuntimeError(f"cudaHostRegister of a host buffer of {list(shape)} failed with cudaError {error}")
     weakref.finalize(buffer, _unpin, buffer.data_ptr())
     return buffer
+
+
+def private_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor in an anonymous memory mapping of its own. Registration pins whole pages: a buffer from the heap may
+    share a page with another allocation (another buffer registered already: cudaErrorHostMemoryAlreadyRegistered);
+    a mapping of its own starts on a page and shares none. The tensor keeps the mapping alive."""
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
 def _unpin(data_ptr: int) -> None:
