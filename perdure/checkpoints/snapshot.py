@@ -87,7 +87,12 @@ class BufferPool:
                     break
                 self._condition.wait()
             self._made[(shape, dtype)] += 1
-        buffer, pinned = self._make(shape, dtype, wanted, prefault=False)
+        try:
+            buffer, pinned = self._make(shape, dtype, wanted, prefault=False)
+        except BaseException:
+            with self._condition:
+                self._made[(shape, dtype)] -= 1
+            raise
         with self._condition:
             self.on_demand[(shape, dtype)] += 1
             self.on_demand_nbytes += buffer.numel() * buffer.element_size()
