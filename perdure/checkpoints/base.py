@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -32,6 +31,7 @@ from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.checkpoints.save_errors import human_bytes, save_failure
 from perdure.checkpoints.snapshot import Snapshot, available_memory, local_part, snapshot_nbytes
 from perdure.distributed.collectives import all_ranks
+from perdure.distributed.process_group import launched_local_world_size
 from perdure.errors import CheckpointError, PerdureError
 from perdure.safe_io import ensure_dir, is_symlink, refuse_symlinked_dir, safe_name
 
@@ -80,13 +80,6 @@ def snapshot_buffer_sets(needed: int, room: float, pinned: bool) -> int:
     bytes cannot hold them."""
     wanted = 2 if pinned else 1
     return next((sets for sets in range(wanted, 0, -1) if sets * needed <= room), 0)
-
-
-def _int_env(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 class CheckpointManager(ABC):
@@ -254,7 +247,7 @@ class CheckpointManager(ABC):
         pool = self._async_saver().pool
         pinned = any(pool.staging.wants_pinned(local_part(tensor)) for tensor in tensors)
         # Every rank on this host reserves at about the same time, each seeing the same free memory: a share each.
-        sharing = max(1, _int_env("LOCAL_WORLD_SIZE", 1))
+        sharing = max(1, launched_local_world_size())
         room = MEMORY_HEADROOM * (available_memory() / sharing + pool.idle_nbytes())
         sets = snapshot_buffer_sets(needed, room, pinned)
         if sets == 0 or needed == 0:

@@ -16,6 +16,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_local_world_size() -> int:
+    """LOCAL_WORLD_SIZE as the launcher set it: the ranks on this host (1 when the program was started on its own)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def select_backend(requested: str) -> str:
     """`auto` is NCCL when CUDA is present, gloo otherwise; NCCL without CUDA is refused clearly."""
     if requested == "auto":
