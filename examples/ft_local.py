@@ -13,7 +13,9 @@
    position over HTTP) and both finish the budget together,
 5. prints what the run recorded (`perdure runs show`): each group's attempts, quorum changes and heals.
 
-The groups sleep a little per batch (`MLP_STEP_DELAY`) so that the kill and the restart land mid-run.
+The groups sleep a little per batch (`MLP_STEP_DELAY`) so that the kill and the restart land mid-run. On a machine
+with GPUs each group gets GPUs of its own (`CUDA_VISIBLE_DEVICES`, as one would give each group its own node); with
+fewer GPUs than the two groups' ranks, the groups train on the CPU: NCCL refuses two ranks on one GPU.
 """
 
 from __future__ import annotations
@@ -49,14 +51,36 @@ def group_command(replica: int, root: Path, lighthouse: str, nproc: int) -> list
     ]  # fmt: skip
 
 
+def group_gpus(replica: int, nproc: int, gpus: int, visible: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES of a group: its own `nproc` of the `gpus` this process sees (numbered as `visible`,
+    the inherited CUDA_VISIBLE_DEVICES, lists them); "" (the CPU) when the two groups' ranks outnumber the GPUs;
+    None (leave it) without GPUs."""
+    if gpus == 0:
+        return None
+    if gpus < 2 * nproc:
+        return ""
+    names = [name.strip() for name in visible.split(",")][:gpus] if visible else [str(index) for index in range(gpus)]
+    return ",".join(names[replica * nproc : (replica + 1) * nproc])
+
+
 def start_group(replica: int, root: Path, lighthouse: str, nproc: int, attempt: str) -> subprocess.Popen:
     log = root.parent / f"group{replica}-{attempt}.log"
-    say(f"  $ python {' '.join(group_command(replica, root, lighthouse, nproc)[1:])}    # > {log.name}")
     env = {"MLP_STEP_DELAY": "0.05", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+    gpus = group_gpus(replica, nproc, visible_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    shown = f"CUDA_VISIBLE_DEVICES={gpus} " if gpus is not None else ""
+    say(f"  $ {shown}python {' '.join(group_command(replica, root, lighthouse, nproc)[1:])}    # > {log.name}")
     environ = {key: value for key, value in os.environ.items() if not key.startswith(("PERDURE_", "MLP_", "TORCHFT_"))}
     with open(log, "w") as output:
         command = group_command(replica, root, lighthouse, nproc)
         return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**environ, **env})
+
+
+def visible_gpus() -> int:
+    import torch  # here, not at the top: the launcher itself trains nothing
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def kill_group(process: subprocess.Popen) -> None:
@@ -118,6 +142,8 @@ def main() -> int:
     groups: dict[int, subprocess.Popen] = {}
     try:
         say("\n[2/5] replica groups 0 and 1 of one job (one run directory)")
+        if 0 < (gpus := visible_gpus()) < 2 * args.nproc:
+            say(f"  {gpus} GPU(s) for 2 groups of {args.nproc} rank(s): the groups train on the CPU (gloo)")
         groups[0] = start_group(0, root, address, args.nproc, "first")
         groups[1] = start_group(1, root, address, args.nproc, "first")
         wait_for(lambda: run_step(root) >= 60, "the job to train 60 steps", list(groups.values()))

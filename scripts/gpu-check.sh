@@ -9,7 +9,11 @@
 #   bench   benchmarks/gpu.py (runner vs hand loop, async vs sync stall of a 435M GPT)
 #   stall   the stall part alone, with saves 90 steps apart
 #   profile the same, with torch.profiler traces (chrome format) of the steps around the second save in $OUT/traces
-#   suite   the single-process tests that resume, with CUDA visible (DDP tests run on gloo with CUDA hidden elsewhere)
+#   suite   the single-process tests that resume, with CUDA visible (DDP tests run on gloo with CUDA hidden elsewhere;
+#           the random-kill tests, 60 processes, are left to tests/cuda's kill-and-resume cases)
+#
+# One `run` may take 600 s and a session has 15 minutes of device time, start included: `tests stall suite` fits one
+# call (each step's timeout: 150 + 260 + 180 s); `profile` wants a call of its own.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -27,7 +31,7 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case "$step" in
     tests)
-      timeout 200 python3 -m pytest -v -p no:cacheprovider -n 5 tests/cuda 2>&1 | tee "$OUT/cuda-tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
+      timeout 150 python3 -m pytest -v -p no:cacheprovider -n 5 tests/cuda 2>&1 | tee "$OUT/cuda-tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
       ;;
     bench)
       timeout 330 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu-bench.log"
@@ -43,7 +47,7 @@ for step in "${steps[@]}"; do
       gzip -f "$OUT"/traces/*.json 2>/dev/null
       ;;
     suite)
-      timeout 170 python3 -m pytest -v -p no:cacheprovider -n 12 -k "not wandb" \
+      timeout 180 python3 -m pytest -v -p no:cacheprovider -n 12 -k "not wandb and not random_kills" \
         tests/test_resume.py tests/faults/test_kills.py tests/test_pending_losses.py tests/test_staging.py \
         tests/test_device_path.py tests/test_determinism.py tests/test_examples.py tests/test_evaluation.py \
         tests/test_compile.py tests/test_inspection.py tests/test_requeue.py tests/test_corruption.py \

@@ -84,6 +84,17 @@ def test_ft_local_kills_a_replica_group_and_heals_it(tmp_path):
     assert "replica groups (TorchFT)" in result.stdout and "completed" in result.stdout
 
 
+def test_ft_local_gives_each_group_gpus_of_its_own_or_puts_both_on_the_cpu():
+    spec = importlib.util.spec_from_file_location("example_ft_local", EXAMPLES / "ft_local.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.group_gpus(0, 1, gpus=0, visible=None) is None  # no GPU: the environment as it is
+    assert [example.group_gpus(r, 2, gpus=4, visible=None) for r in (0, 1)] == ["0,1", "2,3"]
+    assert [example.group_gpus(r, 1, gpus=2, visible="3, 5") for r in (0, 1)] == ["3", "5"]  # as the user numbered
+    assert example.group_gpus(1, 1, gpus=1, visible=None) == ""  # NCCL refuses two ranks on one GPU: the CPU
+    assert example.group_gpus(0, 2, gpus=3, visible="0,1,2") == ""
+
+
 # ---------------------------------------------------------------------- nanogpt_char: a real model, compiled
 
 GPT_ARGS = ("--config", str(CONFIGS / "nanogpt_char-tiny.yaml"), "--steps", "40", "--ckpt.interval", "20")
