@@ -3,7 +3,7 @@
 # there, with the wheels of the packages its image lacks in .whl/ (torchdata, chanfig, lazy-imports, gitpython, gitdb,
 # smmap: see gpu.md for the download line). Writes its logs and the benchmark's results under $OUT (default ./gpu-out).
 #
-#   bash scripts/gpu-check.sh [tests|bench|suite]...     # default: tests bench
+#   bash scripts/gpu-check.sh [tests|bench|stall|profile|suite]...     # default: tests stall suite
 #
 #   tests   tests/cuda (kill -9 + rerun bit-exact on the GPU, pinned staging)
 #   bench   benchmarks/gpu.py (runner vs hand loop, async vs sync stall of a 435M GPT)
@@ -27,7 +27,7 @@ nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
 
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests bench)
+[ ${#steps[@]} -gt 0 ] || steps=(tests stall suite)
 for step in "${steps[@]}"; do
   case "$step" in
     tests)
