@@ -21,6 +21,7 @@ fewer GPUs than the two groups' ranks, the groups train on the CPU: NCCL refuses
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -77,6 +78,7 @@ def start_group(replica: int, root: Path, lighthouse: str, nproc: int, attempt: 
         return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**environ, **env})
 
 
+@functools.cache
 def visible_gpus() -> int:
     import torch  # here, not at the top: the launcher itself trains nothing
 
