@@ -15,6 +15,7 @@ from perdure.errors import (
     ResumeError,
     StackNotAvailableError,
     UnsafeFileError,
+    WorkspaceError,
 )
 from perdure.ft.runner import FaultTolerant
 from perdure.runners.base import BaseRunner
@@ -59,6 +60,7 @@ __all__ = [
     "StackNotAvailableError",
     "TorchRunner",
     "UnsafeFileError",
+    "WorkspaceError",
     "plain_state_dict",
     "strip_compile_prefix",
     "write_sample_folder",

@@ -31,6 +31,11 @@ class ResumeError(PerdureError):
     """The requested restore cannot be honoured without losing or overwriting committed work."""
 
 
+class WorkspaceError(PerdureError):
+    """The run's directory cannot be created under the workspace root (a file in the way, no permission, a read-only
+    or full disk). Raised before the run writes anything; the message names the directory, why, and the fix."""
+
+
 class StackNotAvailableError(PerdureError):
     """The configured `stack` is not implemented in this version."""
 

@@ -249,6 +249,9 @@ def test_missing_root(tmp_path: Path):
     with pytest.raises(RegistryError, match="does not exist"):
         Registry(tmp_path / "nowhere").runs()
     assert not (tmp_path / "nowhere").exists()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(RegistryError, match="a-file is a regular file, not a directory; pass --root DIR"):
+        Registry(tmp_path / "a-file").runs()
 
 
 def test_sidecars_are_found_two_levels_down_only(root: Path):

@@ -143,6 +143,7 @@ class AttemptMixin:
     def _open_run(self) -> tuple[str, Any]:
         """Rank 0: lock, repair, create; returns ("ok", attempt stamp) or ("error", exception), to be broadcast."""
         try:
+            self.run_dir.create_path()  # a root that cannot hold the run is named before the lock's own mkdir
             if self.run_lock is None:
                 self.run_lock = self._new_run_lock()
                 self.run_lock.acquire()

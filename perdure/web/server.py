@@ -18,6 +18,7 @@ import uvicorn
 from perdure.errors import PerdureError
 from perdure.web.app import LOOPBACK_HOSTS, create_app
 from perdure.web.workspace_view import WorkspaceView
+from perdure.workspace.registry import missing_root
 
 
 def is_loopback(host: str) -> bool:
@@ -73,10 +74,7 @@ def serve(
     """Serve the workspace at `root` until interrupted. Prints the URL (and a warning when `host` is not loopback)."""
     view = WorkspaceView(root, stale_after=stale_after)
     if not view.root.is_dir():
-        raise PerdureError(
-            f"workspace root {view.registry.root} does not exist; "
-            "pass --root DIR or set PERDURE_ROOT to where runs live"
-        )
+        raise PerdureError(missing_root(view.registry.root))
     report = view.scan()
     loopback = is_loopback(host)
     if not loopback:

@@ -24,7 +24,7 @@ from typing import Any
 from perdure.checkpoints.commit import atomic_write_text
 from perdure.config import flatten
 from perdure.errors import PerdureError
-from perdure.safe_io import UnsafeFileError, csv_text, is_regular_or_missing, loads_json, move_aside
+from perdure.safe_io import UnsafeFileError, csv_text, is_regular_or_missing, kind_of, loads_json, move_aside
 from perdure.workspace.run_dir import workspace_root
 from perdure.workspace.sidecar import (
     SIDECAR_NAME,
@@ -68,6 +68,12 @@ _SCHEMA = f"CREATE TABLE IF NOT EXISTS runs ({', '.join(_COLUMNS)}, PRIMARY KEY 
 
 class RegistryError(PerdureError):
     """A registry query cannot be answered as asked (bad filter, unknown or ambiguous id, missing root, ...)."""
+
+
+def missing_root(root: Path) -> str:
+    """The message for a workspace root that is not a directory: what is there instead, and the fix."""
+    there = "does not exist" if not os.path.lexists(root) else f"is {kind_of(os.lstat(root).st_mode)}, not a directory"
+    return f"workspace root {root} {there}; pass --root DIR or set PERDURE_ROOT to where runs live"
 
 
 class RunNotFoundError(RegistryError):
@@ -169,9 +175,7 @@ class Registry:
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
             if not self.root.is_dir():
-                raise RegistryError(
-                    f"workspace root {self.root} does not exist; pass --root DIR or set PERDURE_ROOT to where runs live"
-                )
+                raise RegistryError(missing_root(self.root))
             self._conn = _open_cache(self.db_path)
         return self._conn
 

@@ -7,15 +7,18 @@ in another directory (see `launch.py`). The code that actually ran is recorded b
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from perdure.config import RunnerConfig, check_path_component
-from perdure.safe_io import UnsafeFileError, check_inside, ensure_dir
+from perdure.errors import WorkspaceError
+from perdure.safe_io import UnsafeFileError, check_inside, ensure_dir, kind_of
 from perdure.workspace.identity import config_id as compute_config_id
 from perdure.workspace.identity import program_code_id
 from perdure.workspace.launch import Launch, current_launch, entry_path, read_entry
@@ -38,6 +41,7 @@ class RunDir:
     continued_launch: bool = False  # found through the launch index (a restart of `launch`)
     root: Path | None = None
     workspace_id: str | None = None  # `workspace.id` when the config sets one
+    root_origin: str = "the given root"  # where `root` came from: `--workspace.root`, `$PERDURE_ROOT`, ...
 
     @property
     def checkpoints(self) -> Path:
@@ -53,8 +57,48 @@ class RunDir:
 
     def create(self) -> None:
         """Create the run's directories; a symlink where one belongs is refused (`UnsafeFileError`), never followed."""
-        for directory in (self.path, self.checkpoints, self.logs, self.metadata):
+        self.create_path()
+        for directory in (self.checkpoints, self.logs, self.metadata):
             ensure_dir(directory)
+
+    def create_path(self) -> None:
+        """Create the run's own directory, and the workspace root and lineage folder above it where missing.
+
+        A failure there (a file where a directory belongs, no permission, a read-only or full disk) is the
+        workspace's place, not the run: it becomes a `WorkspaceError` saying which directory stopped it, why, where
+        the root came from and how to choose another. A symlink is refused as `ensure_dir` refuses it.
+        """
+        try:
+            ensure_dir(self.path)
+        except UnsafeFileError:
+            raise
+        except OSError as error:
+            raise WorkspaceError(self._cannot_create(error)) from None
+
+    def _cannot_create(self, error: OSError) -> str:
+        blocker, reason, fix = _what_blocks(self.path, error)
+        root = self.root if self.root is not None else self.path.parent.parent
+        return (
+            f"cannot create the run directory {self.path}: {blocker} {reason}. The workspace root {root} comes from "
+            f"{self.root_origin}: {fix}point --workspace.root (or ${ROOT_ENV}) at a directory this user can write"
+        )
+
+
+def _what_blocks(path: Path, error: OSError) -> tuple[Path, str, str]:
+    """Why `path` cannot be made: the nearest existing path above it, what is wrong there, and a fix besides choosing
+    another root (ending in "or ", or empty)."""
+    existing = path
+    while not os.path.lexists(existing) and existing.parent != existing:
+        existing = existing.parent
+    try:
+        mode = os.lstat(existing).st_mode
+    except OSError:
+        return existing, f"cannot be read ({error.strerror or error})", ""
+    if not stat.S_ISDIR(mode):
+        return existing, f"is {kind_of(mode)}, not a directory", f"move {existing} away, or "
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return existing, "is not writable by this user", f"give this user write access to {existing}, or "
+    return existing, f"cannot hold it ({error.strerror or error})", ""
 
 
 def workspace_root(config: Mapping[str, Any] | str | os.PathLike | None = None) -> Path:
@@ -64,17 +108,22 @@ def workspace_root(config: Mapping[str, Any] | str | os.PathLike | None = None) 
     `config` is a `RunnerConfig` (a mapping: its `command_line_keys()` tell where `workspace.root` came from), or an
     explicit root (a str / path, returned as is), or None (`$PERDURE_ROOT`, else `./runs`).
     """
+    return _root_and_origin(config)[0]
+
+
+def _root_and_origin(config: Mapping[str, Any] | str | os.PathLike | None) -> tuple[Path, str]:
+    """`workspace_root(config)` and where it came from, as the user would change it (for messages)."""
     if isinstance(config, (str, os.PathLike)):
-        return Path(config).expanduser()
+        return Path(config).expanduser(), "the given root"
     configured = _configured_root(config)
     from_cli = isinstance(config, RunnerConfig) and config.from_command_line("workspace.root")
     if configured and from_cli:
-        return Path(configured).expanduser()
+        return Path(configured).expanduser(), "--workspace.root"
     if os.environ.get(ROOT_ENV):
-        return Path(os.environ[ROOT_ENV]).expanduser()
+        return Path(os.environ[ROOT_ENV]).expanduser(), f"${ROOT_ENV}"
     if configured:
-        return Path(configured).expanduser()
-    return Path(DEFAULT_ROOT)
+        return Path(configured).expanduser(), "workspace.root in the config"
+    return Path(DEFAULT_ROOT), f"the default (./{DEFAULT_ROOT}: no --workspace.root, no ${ROOT_ENV})"
 
 
 def _configured_root(config: Mapping[str, Any] | None) -> str | os.PathLike | None:
@@ -102,7 +151,7 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
     workspace = config.get("workspace") or {}
     for key in ("lineage", "id", "code_id"):  # a stored config (from_checkpoint) reaches here before check()
         check_path_component(f"workspace.{key}", workspace.get(key))
-    root = workspace_root(config)
+    root, root_origin = _root_and_origin(config)
     lineage = workspace.get("lineage") or default_lineage(runner_class_name)
     running = program_code_id()
     code = workspace.get("code_id") or running
@@ -128,6 +177,7 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
         continued_launch=continued,
         root=root,
         workspace_id=workspace_id,
+        root_origin=root_origin,
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
 from perdure.checkpoints.resolve import committed_checkpoints
+from tests.disks import mount_or_skip, unmount
 from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir
 
 ARGS = ("--steps", "40", "--ckpt.interval", "10")
@@ -67,16 +67,9 @@ def test_failed_final_save_exits_non_zero(tmp_path):
     assert not (run_dir(tmp_path) / "model.pth").exists()
 
 
-def mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    return mounted.returncode == 0
-
-
 def test_a_really_full_tmpfs(reference, tmp_path):
     disk = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
-    if not mount_tmpfs(disk, "600k"):
-        pytest.skip("mounting a small tmpfs needs CAP_SYS_ADMIN, which this machine does not grant")
+    mount_or_skip(disk, "size=600k")
     try:
         # ~190 KB per checkpoint: three fit, the fourth does not.
         args = (*ARGS, "--width", "96", "--depth", "2")
@@ -88,7 +81,7 @@ def test_a_really_full_tmpfs(reference, tmp_path):
         roomy = tmp_path / "roomy"
         shutil.copytree(disk, roomy)
     finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        unmount(disk)
     rerun = run("resumable.py", roomy, *args)
     assert_ok(rerun)
     reference_wide = tmp_path / "reference-wide"

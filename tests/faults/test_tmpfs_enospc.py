@@ -15,6 +15,7 @@ import pytest
 from perdure.checkpoints.commit import verify_checkpoint
 from perdure.checkpoints.resolve import committed_checkpoints
 from perdure.workspace.sidecar import read_sidecar
+from tests.disks import mount_or_skip, unmount
 from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,16 +46,9 @@ def small_disk(reference, tmp_path):
     one = usage(committed_checkpoints(checkpoints)[-1])  # every checkpoint has the same size
     rest = usage(run_dir(reference)) - usage(checkpoints) - usage(run_dir(reference) / "model.pth")
     disk = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
-    if not mount_tmpfs(disk, f"{(rest + 5 * one // 2) // 1024}k"):
-        pytest.skip("mounting a small tmpfs needs CAP_SYS_ADMIN, which this machine does not grant")
+    mount_or_skip(disk, f"size={(rest + 5 * one // 2) // 1024}k")
     yield disk
-    subprocess.run(["umount", str(disk)], check=False)
-
-
-def mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    return mounted.returncode == 0
+    unmount(disk)
 
 
 @pytest.mark.parametrize("mode", ["disabled", "thread", "process"])
