@@ -9,6 +9,7 @@ before anything is written.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,7 +33,15 @@ from perdure.config_checks import (
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError
 from perdure.ft.config import check_ft
-from perdure.safe_io import MAX_YAML_BYTES, UnsafeFileError, escape_terminal, load_yaml, loads_json, read_regular
+from perdure.safe_io import (
+    MAX_YAML_BYTES,
+    UnsafeFileError,
+    escape_terminal,
+    kind_of,
+    load_yaml,
+    loads_json,
+    read_regular,
+)
 
 STACKS = ("torch", "parallel", "deepspeed", "ds")  # ds: an alias of deepspeed
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -523,8 +532,13 @@ def read_config_file(file: str | os.PathLike, key: str = "config") -> Any:
     (`safe_io.load_yaml`, `safe_io.loads_json`). Raises `ConfigError` naming `key` and the file."""
     path = Path(file).expanduser()
     try:
-        if not path.is_file():
-            raise ConfigError(key, str(file), "no such file; pass an existing .yaml or .json file to --config")
+        found = path.stat()  # a symlink the user named is followed
+    except (OSError, ValueError):
+        found = None
+    if found is None or not stat.S_ISREG(found.st_mode):
+        there = "no such file" if found is None else f"it is {kind_of(found.st_mode)}, not a file"
+        raise ConfigError(key, str(file), f"{there}; pass an existing .yaml or .json file to --{key}")
+    try:
         raw = read_regular(path, MAX_YAML_BYTES, follow_symlinks=True)
     except UnsafeFileError as error:
         raise ConfigError(key, str(file), f"cannot be read: {error.reason}") from None

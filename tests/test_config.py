@@ -201,6 +201,18 @@ def test_config_file_errors(tmp_path):
     assert error("--config").key == "config"
 
 
+def test_config_file_that_is_not_a_file_says_what_it_is(tmp_path):
+    assert str(error("--config", str(tmp_path / "missing.yaml"))).endswith(
+        "missing.yaml': no such file; pass an existing .yaml or .json file to --config"
+    )
+    message = str(error("--config", str(tmp_path)))
+    assert (
+        message == f"config key 'config' = '{tmp_path}': it is a directory, not a file; pass an existing .yaml or "
+        ".json file to --config"
+    )
+    assert "it is a character device, not a file" in str(error("--config", "/dev/null"))
+
+
 def _file_error(tmp_path: Path, text: str) -> ConfigError:
     file = tmp_path / "bad.yaml"
     file.write_text(text)
