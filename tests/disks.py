@@ -3,6 +3,7 @@ a test skips, saying so, where the machine does not grant it)."""
 
 from __future__ import annotations
 
+import errno
 import subprocess
 from pathlib import Path
 
@@ -20,3 +21,15 @@ def mount_or_skip(path: Path, options: str) -> None:
 
 def unmount(path: Path) -> None:
     subprocess.run(["umount", str(path)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Write zeros to `path` until its disk is full (ENOSPC): what another job on a shared disk does to a run."""
+    with open(path, "wb", buffering=0) as file:
+        for size in (1 << 16, 1 << 12, 1):  # then the pages, then the bytes left in the last one
+            try:
+                while True:
+                    file.write(bytes(size))
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise

@@ -43,22 +43,32 @@ def run_until_killed(
     script: str, root: Path, *args: str, when_exists: str, delay: float = 0.0, timeout: float = 240, **env: str
 ) -> subprocess.CompletedProcess:
     """Start a run, wait until `root/<glob when_exists>` exists, wait `delay` more, then SIGKILL it."""
-    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
-    process = subprocess.Popen(
-        command, env=environment(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    deadline = time.monotonic() + timeout
-    while not list(root.glob(when_exists)):
-        if process.poll() is not None:
-            raise AssertionError(f"run ended before {when_exists} appeared:\n{process.stdout.read()}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError(f"{when_exists} never appeared")
-        time.sleep(0.01)
+    process = start(script, root, *args, **env)
+    wait_for(process, root, when_exists, timeout)
     time.sleep(delay)
     process.send_signal(signal.SIGKILL)
     output, _ = process.communicate(timeout=60)
-    return subprocess.CompletedProcess(command, process.returncode, output, "")
+    return subprocess.CompletedProcess(process.args, process.returncode, output, "")
+
+
+def start(script: str, root: Path, *args: str, **env: str) -> subprocess.Popen:
+    """Start a training script with `workspace.root = root` (stdout and stderr together), without waiting for it."""
+    command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
+    return subprocess.Popen(
+        command, env=environment(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_for(process: subprocess.Popen, root: Path, pattern: str, timeout: float = 240) -> None:
+    """Wait until `root/<glob pattern>` exists while `process` runs (killed if it never does)."""
+    deadline = time.monotonic() + timeout
+    while not list(root.glob(pattern)):
+        if process.poll() is not None:
+            raise AssertionError(f"run ended before {pattern} appeared:\n{process.stdout.read()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"{pattern} never appeared")
+        time.sleep(0.01)
 
 
 def run_dir(root: Path) -> Path:

@@ -22,6 +22,7 @@ from perdure.loggers.metrics_csv import HEADER, MetricsCSV, read_metrics_csv
 from perdure.loggers.progress import ProgressBar
 from perdure.loggers.tensorboard_logger import TensorBoardLogger
 from perdure.runners.state import RunnerState
+from tests.disks import fill, mount_or_skip, unmount
 
 
 def open_logger(logger, run_dir: Path, resumed_step: int = 0):
@@ -375,6 +376,24 @@ def test_logger_group_fans_out(tmp_path):
     assert read_metrics_csv(tmp_path / "metrics.csv") == [(1, "train", "loss", 0.25)]
     assert json.loads((tmp_path / "media.jsonl").read_text())["shape"] == [2, 2, 3]
     assert len(group) == 2
+
+
+def test_logger_group_on_a_full_disk_warns_once_per_logger_and_closes(tmp_path, caplog):
+    disk = tmp_path / "disk"
+    mount_or_skip(disk, "size=64k")
+    try:
+        group = LoggerGroup(build_loggers(RunnerConfig()))
+        group.open(disk, resumed_step=0, state=RunnerState(), config=RunnerConfig())
+        fill(disk / "other-job")
+        for step in range(1, 2000):  # more rows than the CSV writer buffers
+            group.log_metrics("train", {"loss": 0.5}, step)
+        group.flush(durable=True)
+        group.log_metrics("train", {"loss": 0.5}, 2000)
+        group.close()  # what is still buffered cannot be written: a warning, never an error over the run's outcome
+    finally:
+        unmount(disk)
+    warnings = [record.getMessage() for record in caplog.records if "could not write" in record.getMessage()]
+    assert warnings == ["MetricsCSV could not write ([Errno 28] No space left on device); training goes on"]
 
 
 # ---------------------------------------------------------------------- W&B (the real one: test_loggers_resume)

@@ -170,6 +170,11 @@ def atomic_write_text(path: Path, text: str) -> None:
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        if error.filename is None:  # a write or fsync names no file: say which one (a full disk's ENOSPC)
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -95,11 +95,12 @@ class LoggerGroup:
             self._failing.add(logger)
 
     def close(self) -> None:
-        """Close every logger, even when one fails; the first failure is raised afterwards."""
+        """Close every logger, even when one fails; an I/O failure is warned about as in `flush`, the first other
+        failure is raised afterwards."""
         failure: BaseException | None = None
         for logger in self.loggers:
             try:
-                logger.close()
+                self._guarded(logger, logger.close)
             except Exception as error:  # noqa: BLE001 - the others must still close
                 failure = failure or error
         if failure is not None:

@@ -77,11 +77,21 @@ class RunLogFile(logging.FileHandler):
         # A full disk: say it once on the console, not a traceback per log line; the console still gets every line.
         error = sys.exc_info()[1]
         if isinstance(error, OSError):
-            if not self._failed:
-                print(f"perdure: cannot write the log file {self.baseFilename}: {error}", file=sys.stderr)
-            self._failed = True
+            self._cannot_write(error)
             return
         super().handleError(record)
+
+    def close(self) -> None:
+        # The lines still buffered cannot reach a full disk either: said once, never raised over the run's outcome.
+        try:
+            super().close()
+        except OSError as error:
+            self._cannot_write(error)
+
+    def _cannot_write(self, error: OSError) -> None:
+        if not self._failed:
+            print(f"perdure: cannot write the log file {self.baseFilename}: {error}", file=sys.stderr)
+        self._failed = True
 
     def _open(self):  # noqa: ANN202 - logging.FileHandler's own hook
         # O_NOFOLLOW: a symlink (or a FIFO) planted under the log's name is refused, never written through.

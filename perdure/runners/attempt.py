@@ -16,12 +16,14 @@ nothing on disk. Part of `BaseRunner` (one concept per file); it uses the runner
 
 from __future__ import annotations
 
+import errno
 from datetime import datetime, timezone
 from typing import Any
 
+from perdure.checkpoints.save_errors import free_bytes, human_bytes
 from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.distributed.collectives import broadcast_object
-from perdure.errors import ConfigError, PerdureError
+from perdure.errors import ConfigError, PerdureError, WorkspaceError
 from perdure.loggers.console import attach_log_file, detach_log_file
 from perdure.resilience.run_lock import LOCK_NAME, RunLock
 from perdure.runners.export import read_weights
@@ -121,12 +123,32 @@ class AttemptMixin:
 
     def _begin_attempt(self) -> None:
         """Start writing: rank 0 takes the run lock, repairs what the resolve found, creates the directories, opens the
-        log file and records the attempt (metadata, sidecar, loggers); the attempt's stamp is shared by every rank."""
+        log file and records the attempt (metadata, sidecar, loggers); the attempt's stamp is shared by every rank.
+
+        A disk that cannot take these first writes (full, read-only, gone) stops the run here, before any training it
+        could not checkpoint, with a `WorkspaceError` naming the file, the cause and what is free; whatever was
+        opened is closed and the lock released. Nothing committed is touched."""
         try:
-            self.attempt_started = self._agree(self._open_run() if self.is_main_process else ("", None))
-        except BaseException:
+            self._start_writing()
+        except BaseException as error:
+            self.telemetry.abandon()
             self._release()
+            if isinstance(error, OSError) and not isinstance(error, PerdureError):  # UnsafeFileError says it already
+                raise WorkspaceError(self._cannot_begin(error)) from None
             raise
+
+    def _cannot_begin(self, error: OSError) -> str:
+        free = free_bytes(self.run_dir.path)
+        has = f"; {human_bytes(free)} free on that filesystem" if free is not None else ""
+        what = f"{error.strerror} ({errno.errorcode.get(error.errno or 0, '?')})" if error.strerror else str(error)
+        where = f" writing {error.filename}" if error.filename else ""
+        return (
+            f"cannot begin the attempt in {self.run_dir.path}: {what}{where}{has}. Free space there (or point "
+            "--workspace.root at another disk) and rerun the same command; every committed checkpoint is untouched"
+        )
+
+    def _start_writing(self) -> None:
+        self.attempt_started = self._agree(self._open_run() if self.is_main_process else ("", None))
         self.checkpoints.token = self.attempt_started
         self.state.attempt += 1
         if self.is_main_process:

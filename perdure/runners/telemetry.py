@@ -200,6 +200,17 @@ class RunTelemetry:
                 self._write_sidecar()
             self.active = False
 
+    def abandon(self) -> None:
+        """The attempt could not begin (its first writes failed): close what `start` opened, write nothing more."""
+        if not self.active:
+            return
+        try:
+            self.loggers.close()
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+            self.active = False
+
     def _write_sidecar(self, durable: bool = True) -> None:
         """Replace sidecar.json; a failure to (a full disk) is a warning, once: the run's record is a summary, and
         losing it must never stop the training it describes."""
@@ -207,7 +218,8 @@ class RunTelemetry:
             self.sidecar.write(durable=durable)
         except OSError as error:
             if not self._sidecar_failed:
-                logger.warning("could not write %s (%s); training goes on", self.sidecar.path, error)
+                cause = f"[Errno {error.errno}] {error.strerror}" if error.strerror else error  # the path is said once
+                logger.warning("could not write %s (%s); training goes on", self.sidecar.path, cause)
             self._sidecar_failed = True
         else:
             self._sidecar_failed = False

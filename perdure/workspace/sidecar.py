@@ -296,15 +296,22 @@ class Heartbeat:
     """The live run's heartbeat: `beat(step)` rewrites, in place, how far training got (which also moves the mtime).
 
     One fixed-width write on a file kept open costs about a microsecond, so it can be called at every log line;
-    `start_attempt` reads the step to count the steps an interruption cost.
+    `start_attempt` reads the step to count the steps an interruption cost. A write that fails (a full disk: the
+    first beat needs a block) is a warning, once, never an error: the heartbeat only describes the training.
     """
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / HEARTBEAT_NAME
         self._fd = _open_heartbeat(self.path)
+        self._failed = False
 
     def beat(self, step: int) -> None:
-        os.pwrite(self._fd, f"{int(step):>20}\n".encode(), 0)
+        try:
+            os.pwrite(self._fd, f"{int(step):>20}\n".encode(), 0)
+        except OSError as error:
+            if not self._failed:
+                logger.warning("could not write %s (%s); training goes on", self.path, error)
+            self._failed = True
 
     def close(self) -> None:
         if self._fd >= 0:

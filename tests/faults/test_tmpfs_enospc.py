@@ -15,8 +15,8 @@ import pytest
 from perdure.checkpoints.commit import verify_checkpoint
 from perdure.checkpoints.resolve import committed_checkpoints
 from perdure.workspace.sidecar import read_sidecar
-from tests.disks import mount_or_skip, unmount
-from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir
+from tests.disks import fill, mount_or_skip, unmount
+from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir, start, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,6 +75,59 @@ def test_a_disk_that_fills_during_an_interval_save(reference, small_disk, mode):
     assert_ok(rerun)
     assert f"resuming from {committed[0]}" in rerun.stdout
     assert_same_weights(final_weights(reference), final_weights(small_disk))
+
+
+def test_a_disk_that_another_job_fills_between_saves(reference, tmp_path):
+    """Everything the run writes besides checkpoints (the sidecar, the heartbeat, the log file, metrics) meets the
+    full disk too: each is a warning, training goes on to its budget, the exit says the final save failed, in one
+    line; with room again the same command resumes and ends bit-equal to the run that never failed."""
+    disk, slow = tmp_path / "disk", tmp_path / "slow"
+    mount_or_skip(disk, "size=16m")
+    slow.touch()
+    try:
+        process = start("resumable.py", disk, *ARGS, STEP_SLEEP="0.2", SLOW_WHILE=str(slow))
+        wait_for(process, disk, "*/*/checkpoints/ckpt-s000000000010")
+        fill(disk / "other-job")
+        slow.unlink()
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 1, output
+        assert "Traceback" not in output and "Logging error" not in output
+        assert "step 50/50" in output  # training went on to its budget
+        assert re.search(r"^error: checkpoint ckpt-s000000000050 \(\w+\) failed: No space left on device", output, re.M)
+        assert "sidecar.json ([Errno 28] No space left on device); training goes on" in output
+        committed = committed_checkpoints(run_dir(disk) / "checkpoints")
+        assert committed and "ckpt-s000000000050" not in [path.name for path in committed]
+        for path in committed:
+            verify_checkpoint(path)
+
+        (disk / "other-job").unlink()
+        rerun = run("resumable.py", disk, *ARGS)
+        assert_ok(rerun)
+        assert f"resuming from {committed[0]}" in rerun.stdout
+        assert_same_weights(final_weights(reference), final_weights(disk))
+    finally:
+        unmount(disk)
+
+
+def test_a_disk_too_full_to_begin_stops_before_training(reference, tmp_path):
+    """The attempt's first writes (its metadata, the sidecar, the log) fail: the run stops before training steps it
+    could never checkpoint, in one line naming the file, the cause and what is free; no lock is left held, and with
+    room the same command trains."""
+    disk = tmp_path / "disk"
+    mount_or_skip(disk, "size=16k")
+    try:
+        result = run("resumable.py", disk, *ARGS)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "Traceback" not in result.stderr and "step 1" not in result.stdout
+        [line] = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert re.match(r"error: cannot begin the attempt in .+: No space left on device \(ENOSPC\) writing /", line)
+        assert "free on that filesystem. Free space there (or point --workspace.root at another disk)" in line
+
+        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        assert_ok(run("resumable.py", disk, *ARGS))
+        assert_same_weights(final_weights(reference), final_weights(disk))
+    finally:
+        unmount(disk)
 
 
 @pytest.mark.parametrize("mode", ["disabled", "thread", "process"])
