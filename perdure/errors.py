@@ -32,8 +32,9 @@ class ResumeError(PerdureError):
 
 
 class WorkspaceError(PerdureError):
-    """The run's directory cannot be created under the workspace root (a file in the way, no permission, a read-only
-    or full disk). Raised before the run writes anything; the message names the directory, why, and the fix."""
+    """The workspace cannot take the run: its directory cannot be created under the root (a file in the way, no
+    permission, a read-only or full disk), or the attempt's first records cannot be written there (a full disk).
+    Raised before the first training step; the message names the path, why, and the fix."""
 
 
 class StackNotAvailableError(PerdureError):
