@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import pickle
+import queue
 import resource
 import signal
 import threading
@@ -192,24 +193,38 @@ class AsyncSaver:
 
 
 class _WriterProcess:
-    """A spawned process that commits jobs; it dies with its parent so it can never publish after a kill."""
+    """A spawned process that commits jobs; it dies with its parent so it can never publish after a kill.
+
+    A writer that is killed (the out-of-memory killer, a signal from outside) fails the save it was writing, and the
+    next save starts a new one: a run never goes on without checkpoints because its writer died once. One that exits
+    with an error before it committed anything (it cannot import the training program) is not restarted: a new one
+    would fail the same way, and each save says why.
+    """
 
     def __init__(self, manager: CheckpointManager) -> None:
         _raise_open_file_limit()
+        self.manager = manager
         self.root = manager.root
-        context = torch_mp.get_context("spawn")
-        self.jobs = context.Queue()
+        self.context = torch_mp.get_context("spawn")
+        self.committed = 0  # jobs the current process committed
+        self._start()
+
+    def _start(self) -> None:
+        self.jobs = self.context.Queue()
+        self.results = self.context.Queue()
         self.buffers: SentBuffers = {}  # id of a buffer the process has -> (its number, it)
-        self.results = context.Queue()
-        self.process = context.Process(
+        self.process = self.context.Process(
             target=_writer_main,
-            args=(manager, self.jobs, self.results, os.getpid()),
+            args=(self.manager, self.jobs, self.results, os.getpid()),
             name=WRITER_PROCESS_NAME,
             daemon=True,
         )
         self.process.start()
+        self.committed = 0
 
     def commit(self, job: SaveJob) -> None:
+        if not self.process.is_alive():
+            self._replace()
         # Pickled here, not in the queue's feeder thread, which would only print a failure and drop the job.
         sent: SentBuffers = {}
         try:
@@ -223,17 +238,49 @@ class _WriterProcess:
             try:
                 name, error, fatal = self.results.get(timeout=1.0)
                 break
-            except Exception:
+            except queue.Empty:
                 if not self.process.is_alive():
-                    raise CheckpointSaveError(
-                        f"the checkpoint writer process died (exit {self.process.exitcode}; its error is above). "
-                        "It must be able to import the training script under an `if __name__ == '__main__':` guard "
-                        "and the checkpoint manager's class by name; or use ckpt.async_mode=thread"
-                    ) from None
+                    self.manager.discard_staging(job, self.process.pid)
+                    raise CheckpointSaveError(self._died(f"while writing {job.name}")) from None
+        self.committed += 1
         if error is not None:
             raise (CheckpointStateError if fatal else CheckpointSaveError)(error)
 
+    def _died(self, when: str) -> str:
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            killer = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+            oom = " (the out-of-memory killer sends it: see `dmesg`)" if -code == signal.SIGKILL else ""
+            return f"the checkpoint writer process was killed by {killer}{oom} {when}; the next save starts another"
+        if self.committed == 0:
+            return (
+                f"the checkpoint writer process died {when} (exit {code}; its error is above). It must be able to "
+                "import the training script under an `if __name__ == '__main__':` guard and the checkpoint manager's "
+                "class by name; or use ckpt.async_mode=thread"
+            )
+        return (
+            f"the checkpoint writer process died {when} (exit {code}; its error is above); the next save starts another"
+        )
+
+    def _replace(self) -> None:
+        """Start a new writer in place of a dead one, unless it never got as far as committing (see the class)."""
+        code = self.process.exitcode
+        if code is not None and code > 0 and self.committed == 0:
+            raise CheckpointSaveError(self._died("before this save"))
+        logger.warning("starting a new checkpoint writer process: the last one ended (exit %s)", code)
+        self._discard_queues()
+        self._start()
+
+    def _discard_queues(self) -> None:
+        # Nobody reads them any more: what is still buffered for the dead process must not hold up this one's exit.
+        for channel in (self.jobs, self.results):
+            channel.cancel_join_thread()
+            channel.close()
+
     def stop(self) -> None:
+        if not self.process.is_alive():
+            self._discard_queues()
+            return
         self.jobs.put(None)
         self.process.join(timeout=30)
         if self.process.is_alive():

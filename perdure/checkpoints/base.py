@@ -321,6 +321,18 @@ class CheckpointManager(ABC):
         staging = self.root / f"{STAGING_PREFIX}{name}-{self.token}-{sequence}"
         return ensure_dir(staging)  # every rank creates it; a symlink planted under its name is refused
 
+    def discard_staging(self, job: SaveJob, writer_pid: int) -> None:
+        """Rank 0: remove what `commit_job(job)` had staged in process `writer_pid` (a writer process that died while
+        writing it, so its own cleanup never ran). Committed checkpoints are untouched; a symlink is not followed."""
+        if self.rank != 0:
+            return
+        if self.world_size == 1:
+            staged = list(self.root.glob(f"{STAGING_PREFIX}{job.name}-{writer_pid}-*"))
+        else:
+            staged = [self.root / f"{STAGING_PREFIX}{job.name}-{self.token}-{job.sequence}"]
+        for path in staged:
+            shutil.rmtree(path, ignore_errors=True)
+
     def wait_for_snapshots(self) -> None:
         """Block until async snapshots have copied what the optimizer step is about to change."""
         if self._saver is not None:

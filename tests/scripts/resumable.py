@@ -20,6 +20,9 @@ Environment knobs (tests only):
                   allreduce  SIGKILL right after launching a cross-group gradient all-reduce (TorchFT), so the peers
                              are inside that all-reduce when this group dies
   FAULT_RANK    install FAULT on this rank only (default: on every rank)
+  WRITER_FAULT  POINT:N as FAULT, or "import" (the process fails to start), installed in the checkpoint writer process
+                of ckpt.async_mode=process instead, by the first writer process only: it creates WRITER_FAULT_DONE
+                (a path), and a writer started after it finds the file and runs clean
   SETUP_FAIL    "model": the runner's __init__ raises while building the model (a failed setup)
   UNSAVEABLE    checkpoints carry a user object that torch.save cannot serialize
   NAN_AT_STEP   the loss of the first micro-batch at this global step is NaN (on rank NAN_RANK only, default every rank)
@@ -35,16 +38,19 @@ Environment knobs (tests only):
 import contextlib
 import errno
 import json
+import multiprocessing
 import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from perdure import ConfigError, Runner, RunnerConfig
+from perdure.checkpoints.async_save import WRITER_PROCESS_NAME
 
 
 class Config(RunnerConfig):
@@ -290,6 +296,19 @@ def save_gathered(runner, path) -> None:
     steps = sorted({float(state["step"]) for state in runner.engine.optimizer.optimizer.state.values()})
     if runner.rank == 0:
         torch.save({"weights": weights, "steps": steps}, path)
+
+
+def install_writer_fault(spec: str, done: Path) -> None:
+    if done.exists():
+        return
+    done.touch()
+    if spec == "import":
+        raise ImportError("this writer process cannot start (injected by the test)")
+    install_fault(spec)
+
+
+if os.environ.get("WRITER_FAULT") and multiprocessing.current_process().name == WRITER_PROCESS_NAME:
+    install_writer_fault(os.environ["WRITER_FAULT"], Path(os.environ["WRITER_FAULT_DONE"]))
 
 
 if __name__ == "__main__":
