@@ -43,6 +43,7 @@ from perdure.safe_io import (
     read_regular,
 )
 
+MAX_SEED = 2**43  # |seed| below it: every seed perdure derives from it fits torch's 64-bit generators
 STACKS = ("torch", "parallel", "deepspeed", "ds")  # ds: an alias of deepspeed
 PRECISIONS = ("fp32", "bf16", "fp16")
 CKPT_BACKENDS = ("auto", "file", "dcp", "deepspeed")
@@ -91,6 +92,7 @@ _COUNTS: dict[str, tuple[int, bool]] = {
     "sched.total_steps": (1, True),
     "score.patience": (0, False),
     "log.interval": (1, False),
+    "resilience.max_consecutive_skips": (1, True),
     "parallel.pipeline.microbatches": (1, True),
     "parallel.pipeline.virtual_stages": (1, False),
 }
@@ -181,6 +183,7 @@ class RunnerConfig(chanfig.Config):
         self.wandb.entity = None  # W&B entity (user or team)
         self.wandb.mode = "online"  # W&B mode: online, offline, disabled
         self.resilience.exit_code = None  # exit status after a preemption; None: 128 + signal number
+        self.resilience.max_consecutive_skips = 100  # skipped (non-finite) steps in a row that end the run; None: never
         self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
         self.dist.timeout = 600  # seconds a collective may wait before the run fails instead of hanging
         # stack=deepspeed (docs/deepspeed.md); this section is no part of other stacks' config identity.
@@ -381,6 +384,8 @@ class RunnerConfig(chanfig.Config):
         budget = "steps" if steps is not None else "epochs"
         check_int(budget, get(budget), 1)
         check_int("seed", get("seed"), None)
+        if abs(get("seed")) >= MAX_SEED:  # the loader seeds each epoch with seed * 1_000_003 + epoch, in 64 bits
+            raise ConfigError("seed", get("seed"), f"use an integer between -{MAX_SEED - 1} and {MAX_SEED - 1}")
         check_number("dist.timeout", get("dist.timeout"), "a number of seconds > 0", lambda x: x > 0)
         exit_code = get("resilience.exit_code")
         if exit_code is not None and not (is_int(exit_code) and 0 <= exit_code <= 255):

@@ -5,6 +5,7 @@ Pure functions used by `RunnerConfig.check` (and `check_path_component` by the w
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ def check_number(key: str, value: Any, wanted: str, ok: Any, optional: bool = Fa
         return
     if not is_number(value) or not ok(value):
         raise ConfigError(key, value, f"use {wanted}")
+    if not math.isfinite(value):  # inf passes `x >= 0`; no setting means anything by it (an lr of inf, a timeout)
+        raise ConfigError(key, value, f"use {wanted}, a finite one")
 
 
 def check_path(key: str, value: Any) -> None:

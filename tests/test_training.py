@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from perdure import PerdureError
+from perdure.runners.divergence import TrainingDivergedError
+from perdure.workspace.sidecar import read_sidecar
 from tests.scripts.resumable import Config, ResumableRunner
 from tests.scripts.resumable import make_config as resumable_config
 
@@ -44,6 +46,38 @@ def test_nonfinite_step_is_applied_when_skipping_is_off(tmp_path):
     runner.train()
     assert runner.state.skipped_steps == 0
     assert not all(torch.isfinite(p).all() for p in runner.model.parameters())
+
+
+class NaNFromStep(ResumableRunner):
+    """Returns a NaN loss from the second window on: every later step is skipped (a run whose parameters diverged)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls = 0
+
+    def train_step(self, batch):
+        self.calls += 1
+        loss = super().train_step(batch)
+        return loss * math.nan if self.calls >= 2 else loss
+
+
+def test_a_run_that_skips_every_step_stops_at_the_limit(tmp_path, capsys):
+    runner = NaNFromStep(make_config(tmp_path, **{"resilience.max_consecutive_skips": 5}))
+    with pytest.raises(TrainingDivergedError, match=r"^5 optimizer steps in a row had non-finite gradients \(at step "
+                       r"1, 5 skipped in all\): the run has diverged"):  # fmt: skip
+        runner.train()
+    assert runner.calls == 6 and runner.global_step == 1
+    assert read_sidecar(runner.run_dir.path / "sidecar.json")["status"] == "failed"
+    assert capsys.readouterr().out.count("optimizer step skipped") == 5
+
+
+def test_skips_that_are_not_in_a_row_never_stop_a_run(tmp_path):
+    runner = NaNAtStep(make_config(tmp_path, **{"resilience.max_consecutive_skips": 1, "steps": 3}))
+    with pytest.raises(TrainingDivergedError):  # one skip is the limit
+        runner.train()
+    runner = NaNAtStep(make_config(tmp_path / "two", **{"resilience.max_consecutive_skips": 2}))
+    runner.train()  # one skip, then steps again: the count starts over
+    assert runner.state.skipped_steps == 1 and runner.global_step == 6
 
 
 def test_accumulation_counts_optimizer_steps(tmp_path):

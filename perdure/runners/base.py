@@ -50,6 +50,7 @@ from perdure.runners.checkpointing import CheckpointingMixin, building_for_inspe
 from perdure.runners.compile import uncompiled
 from perdure.runners.data_setup import DataSetupMixin
 from perdure.runners.determinism import configure_determinism
+from perdure.runners.divergence import SkippedSteps
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.evaluation import EvaluationMixin
 from perdure.runners.export import read_weights
@@ -142,6 +143,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         self._saved_position: tuple[int, int, int] | None = None
         self._topology_change: dict[str, Any] | None = None  # set by a restore on another world size
         self._losses: list[torch.Tensor] = []
+        self._skips = SkippedSteps(config.resilience.max_consecutive_skips)
         self.meter = ThroughputMeter(self.world_size)  # the speed, memory and ETA columns of train log lines
 
     def _checkpoint_manager(self, token: str = "") -> CheckpointManager:
@@ -489,12 +491,9 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         stepped = self.optimizer_step()
         if not stepped:
             self.state.skipped_steps += 1
-            self.logger.warning(
-                "non-finite gradients at step %d: optimizer step skipped (%d skipped so far)",
-                self.state.global_step,
-                self.state.skipped_steps,
-            )
+            self._skips.skipped(self.state.global_step, self.state.skipped_steps)
             return True
+        self._skips.stepped()
         if self.scheduler is not None:
             self.scheduler.step()
         if self.ema is not None:
