@@ -20,7 +20,8 @@ def mount_or_skip(path: Path, options: str) -> None:
 
 
 def unmount(path: Path) -> None:
-    subprocess.run(["umount", str(path)], check=False)
+    """Unmount it, lazily: a file a failed test left open must not keep the mount (and the test's directory) busy."""
+    subprocess.run(["umount", "--lazy", str(path)], check=False)
 
 
 def fill(path: Path) -> None:

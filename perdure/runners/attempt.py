@@ -125,17 +125,38 @@ class AttemptMixin:
         """Start writing: rank 0 takes the run lock, repairs what the resolve found, creates the directories, opens the
         log file and records the attempt (metadata, sidecar, loggers); the attempt's stamp is shared by every rank.
 
-        A disk that cannot take these first writes (full, read-only, gone) stops the run here, before any training it
-        could not checkpoint, with a `WorkspaceError` naming the file, the cause and what is free; whatever was
+        A disk that cannot take these first writes (full, read-only, gone) stops every rank here, before any training
+        it could not checkpoint, with a `WorkspaceError` naming the file, the cause and what is free; whatever was
         opened is closed and the lock released. Nothing committed is touched."""
+        self.state.attempt += 1
         try:
-            self._start_writing()
-        except BaseException as error:
+            self.attempt_started = self._agree(self._open_attempt() if self.is_main_process else ("", None))
+        except BaseException:
             self.telemetry.abandon()
             self._release()
-            if isinstance(error, OSError) and not isinstance(error, PerdureError):  # UnsafeFileError says it already
-                raise WorkspaceError(self._cannot_begin(error)) from None
             raise
+        self.checkpoints.token = self.attempt_started
+        self.logger.removeHandler(self._early_records)
+
+    def _open_attempt(self) -> tuple[str, Any]:
+        """Rank 0: open the run (`_open_run`), then the attempt's log file and records; returns ("ok", the attempt's
+        stamp) or ("error", exception), to be broadcast. An I/O failure becomes a `WorkspaceError` saying what to do."""
+        outcome, value = self._open_run()
+        if outcome == "ok":
+            try:
+                self._log_file = attach_log_file(self.run_dir.logs / f"{value}.log")
+                self._early_records.replay_into(self._log_file)
+                resumed = self.restore_source
+                self.telemetry.start(
+                    attempt=value,
+                    resumed_from=str(resumed.info.path) if resumed.info is not None else None,
+                    details=self._attempt_details(),
+                )
+            except Exception as error:
+                outcome, value = "error", error
+        if outcome == "error" and isinstance(value, OSError) and not isinstance(value, PerdureError):
+            value = WorkspaceError(self._cannot_begin(value))  # UnsafeFileError (a PerdureError) says it already
+        return outcome, value
 
     def _cannot_begin(self, error: OSError) -> str:
         free = free_bytes(self.run_dir.path)
@@ -145,21 +166,6 @@ class AttemptMixin:
         return (
             f"cannot begin the attempt in {self.run_dir.path}: {what}{where}{has}. Free space there (or point "
             "--workspace.root at another disk) and rerun the same command; every committed checkpoint is untouched"
-        )
-
-    def _start_writing(self) -> None:
-        self.attempt_started = self._agree(self._open_run() if self.is_main_process else ("", None))
-        self.checkpoints.token = self.attempt_started
-        self.state.attempt += 1
-        if self.is_main_process:
-            self._log_file = attach_log_file(self.run_dir.logs / f"{self.attempt_started}.log")
-            self._early_records.replay_into(self._log_file)
-        self.logger.removeHandler(self._early_records)
-        resumed = self.restore_source
-        self.telemetry.start(
-            attempt=self.attempt_started,
-            resumed_from=str(resumed.info.path) if resumed.info is not None else None,
-            details=self._attempt_details(),
         )
 
     def _open_run(self) -> tuple[str, Any]:

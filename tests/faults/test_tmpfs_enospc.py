@@ -16,7 +16,7 @@ from perdure.checkpoints.commit import verify_checkpoint
 from perdure.checkpoints.resolve import committed_checkpoints
 from perdure.workspace.sidecar import read_sidecar
 from tests.disks import fill, mount_or_skip, unmount
-from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir, start, wait_for
+from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir, run_ranks, start, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -128,6 +128,23 @@ def test_a_disk_too_full_to_begin_stops_before_training(reference, tmp_path):
         assert_same_weights(final_weights(reference), final_weights(disk))
     finally:
         unmount(disk)
+
+
+def test_every_rank_stops_when_rank_0_cannot_begin(tmp_path):
+    """Rank 0 writes the attempt's records: when it cannot, the others hear why at once (no collective left waiting
+    for a rank that is gone, no gloo traceback)."""
+    disk = tmp_path / "disk"
+    mount_or_skip(disk, "size=16k")
+    try:
+        results = run_ranks(2, "resumable.py", disk, "--steps", "20", timeout=120)
+    finally:
+        unmount(disk)
+    for rank, result in enumerate(results):
+        assert result.returncode == 1, result.stdout
+        assert "Traceback" not in result.stdout and "Connection closed by peer" not in result.stdout
+        last = result.stdout.strip().splitlines()[-1]
+        cause = "" if rank == 0 else "WorkspaceError on rank 0: "
+        assert last.startswith(f"[rank{rank}]: error: {cause}cannot begin the attempt in "), last
 
 
 @pytest.mark.parametrize("mode", ["disabled", "thread", "process"])
