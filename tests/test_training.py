@@ -19,7 +19,9 @@ def make_config(root, **overrides) -> Config:
 
 
 class NaNAtStep(ResumableRunner):
-    """Returns a NaN loss for the second window of training."""
+    """Returns a NaN loss for the second window of training (with `from_then_on`, for every window after it too)."""
+
+    from_then_on = False
 
     def __init__(self, config):
         super().__init__(config)
@@ -28,7 +30,8 @@ class NaNAtStep(ResumableRunner):
     def train_step(self, batch):
         self.calls += 1
         loss = super().train_step(batch)
-        return loss * math.nan if self.calls == 2 else loss
+        nan = self.calls == 2 or (self.from_then_on and self.calls > 2)
+        return loss * math.nan if nan else loss
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -48,17 +51,10 @@ def test_nonfinite_step_is_applied_when_skipping_is_off(tmp_path):
     assert not all(torch.isfinite(p).all() for p in runner.model.parameters())
 
 
-class NaNFromStep(ResumableRunner):
-    """Returns a NaN loss from the second window on: every later step is skipped (a run whose parameters diverged)."""
+class NaNFromStep(NaNAtStep):
+    """Every step from the second on is skipped: a run whose parameters diverged."""
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.calls = 0
-
-    def train_step(self, batch):
-        self.calls += 1
-        loss = super().train_step(batch)
-        return loss * math.nan if self.calls >= 2 else loss
+    from_then_on = True
 
 
 def test_a_run_that_skips_every_step_stops_at_the_limit(tmp_path, capsys):
