@@ -5,6 +5,7 @@ would, and is stopped by a real SIGTERM after its first checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -56,14 +57,19 @@ def train(repo: Path, root: Path, *args: str, **env: str) -> subprocess.Complete
 def train_until_sigterm(repo: Path, root: Path, **env: str) -> subprocess.CompletedProcess:
     """Train until the first checkpoint is committed, then SIGTERM: perdure saves and exits 143."""
     command = [sys.executable, str(repo / "train.py"), "--workspace.root", str(root), *ARGS]
-    process = subprocess.Popen(command, env=environment(STEP_SLEEP="0.02", **env), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    # Slow steps until the signal is sent: the 20 steps left after the checkpoint take 2 s, so a test process that a
+    # loaded machine schedules late still signals a live run (at 0.02 s a step, 0.4 s was once not enough).
+    slow = root.parent / f"slow-{os.getpid()}-{time.monotonic_ns()}"
+    slow.touch()
+    process = subprocess.Popen(command, env=environment(STEP_SLEEP="0.1", SLOW_WHILE=str(slow), **env),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
     while not list(root.glob("*/*/checkpoints/ckpt-s000000000010/manifest.json")):
         assert process.poll() is None, process.stdout.read()
         assert time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.01)
     process.send_signal(signal.SIGTERM)
+    slow.unlink()
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 143, output
     return subprocess.CompletedProcess(command, process.returncode, output, "")
