@@ -65,10 +65,7 @@ def save_failure(error: BaseException, *, name: str, root: Path, needed: int = 0
 
 def describe_io_error(cause: OSError, *, root: Path, needed: int = 0, wrapper: BaseException | None = None) -> str:
     """One line: what failed, on which path, and for a full disk how much the checkpoint needs against what is free."""
-    where = cause.filename or root
-    code = errno.errorcode.get(cause.errno or 0, "")
-    what = cause.strerror or str(cause)
-    text = f"{what} ({code}) writing {where}" if code else f"{what} writing {where}"
+    text = what_failed(cause, root)
     if cause.errno in _NO_SPACE:
         free = free_bytes(root)
         needs = f"the checkpoint needs about {human_bytes(needed)}, " if needed else ""
@@ -77,6 +74,13 @@ def describe_io_error(cause: OSError, *, root: Path, needed: int = 0, wrapper: B
     if wrapper is not None and wrapper is not cause:
         text += f" [reported as {type(wrapper).__name__}: {_first_line(wrapper, 120)}]"
     return text
+
+
+def what_failed(cause: OSError, where: Path) -> str:
+    """`No space left on device (ENOSPC) writing <file>`: the error, its code, the file (else `where`)."""
+    code = errno.errorcode.get(cause.errno or 0, "")
+    what = cause.strerror or str(cause)
+    return f"{what} ({code}) writing {cause.filename or where}" if code else f"{what} writing {cause.filename or where}"
 
 
 def free_bytes(path: Path) -> int | None:

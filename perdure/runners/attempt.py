@@ -16,11 +16,10 @@ nothing on disk. Part of `BaseRunner` (one concept per file); it uses the runner
 
 from __future__ import annotations
 
-import errno
 from datetime import datetime, timezone
 from typing import Any
 
-from perdure.checkpoints.save_errors import free_bytes, human_bytes
+from perdure.checkpoints.save_errors import free_bytes, human_bytes, what_failed
 from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.distributed.collectives import broadcast_object
 from perdure.errors import ConfigError, PerdureError, WorkspaceError
@@ -161,11 +160,10 @@ class AttemptMixin:
     def _cannot_begin(self, error: OSError) -> str:
         free = free_bytes(self.run_dir.path)
         has = f"; {human_bytes(free)} free on that filesystem" if free is not None else ""
-        what = f"{error.strerror} ({errno.errorcode.get(error.errno or 0, '?')})" if error.strerror else str(error)
-        where = f" writing {error.filename}" if error.filename else ""
         return (
-            f"cannot begin the attempt in {self.run_dir.path}: {what}{where}{has}. Free space there (or point "
-            "--workspace.root at another disk) and rerun the same command; every committed checkpoint is untouched"
+            f"cannot begin the attempt in {self.run_dir.path}: {what_failed(error, self.run_dir.path)}{has}. Free "
+            "space there (or point --workspace.root at another disk) and rerun the same command; every committed "
+            "checkpoint is untouched"
         )
 
     def _open_run(self) -> tuple[str, Any]:
