@@ -5,6 +5,8 @@ from and the fix; never a traceback from deep inside the run lock."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -78,12 +80,50 @@ def test_a_disk_without_a_free_inode(tmp_path: Path):
         unmount(disk)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any directory: the permission check needs a user")
-def test_a_directory_this_user_cannot_write(tmp_path: Path):
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o555)
-    with pytest.raises(WorkspaceError, match="is not writable by this user.*give this user write access"):
-        run_dir_under("--workspace.root", str(locked / "runs")).create_path()
+def test_a_directory_this_user_cannot_write():
+    # Root writes into any directory: as root, the check runs in a forked child that has become `nobody`, under a
+    # directory of /tmp that user may enter (pytest's own tmp_path is root's alone).
+    top = Path(tempfile.mkdtemp(prefix="perdure-locked-"))
+    try:
+        top.chmod(0o755)
+        locked = top / "locked"
+        locked.mkdir(mode=0o555)
+        run_dir = run_dir_under("--workspace.root", str(locked / "runs"))
+        message = create_as_a_user(run_dir) if os.geteuid() == 0 else create(run_dir)
+    finally:
+        shutil.rmtree(top)
+    assert f"{locked} is not writable by this user" in message, message
+    assert f"give this user write access to {locked}, or point --workspace.root" in message
+
+
+def create(run_dir) -> str:
+    """What `create_path` raises, as text ("created" if it raised nothing)."""
+    try:
+        run_dir.create_path()
+    except WorkspaceError as error:
+        return str(error)
+    return "created"
+
+
+def create_as_a_user(run_dir, uid: int = 65534) -> str:
+    """`create(run_dir)` in a forked child running as `uid` (nobody), the answer sent back through a pipe."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: never returns into pytest
+        status = 1
+        try:
+            os.close(read_end)
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(write_end, create(run_dir).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answer:
+        message = answer.read().decode()
+    assert os.waitpid(child, 0)[1] == 0, "the child could not become an unprivileged user"
+    return message
 
 
 def test_a_run_stops_with_one_line_and_writes_nothing(tmp_path: Path):
