@@ -16,7 +16,17 @@ from perdure.checkpoints.commit import verify_checkpoint
 from perdure.checkpoints.resolve import committed_checkpoints
 from perdure.workspace.sidecar import read_sidecar
 from tests.disks import fill, mount_or_skip, unmount
-from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir, run_ranks, start, wait_for
+from tests.runs import (
+    aborted_after_finalization,
+    assert_ok,
+    assert_same_weights,
+    final_weights,
+    run,
+    run_dir,
+    run_ranks,
+    start,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -140,11 +150,13 @@ def test_every_rank_stops_when_rank_0_cannot_begin(tmp_path):
     finally:
         unmount(disk)
     for rank, result in enumerate(results):
-        assert result.returncode == 1, result.stdout
+        # Either ending is a failed rank; the second is gloo's C++ teardown after Python finished (docs/distributed.md,
+        # "Known issue"), seen here on either rank since both exit at once.
+        assert result.returncode == 1 or aborted_after_finalization(result), result.stdout
         assert "Traceback" not in result.stdout and "Connection closed by peer" not in result.stdout
-        last = result.stdout.strip().splitlines()[-1]
+        [error] = [line for line in result.stdout.splitlines() if line.startswith(f"[rank{rank}]: error: ")]
         cause = "" if rank == 0 else "WorkspaceError on rank 0: "
-        assert last.startswith(f"[rank{rank}]: error: {cause}cannot begin the attempt in "), last
+        assert error.startswith(f"[rank{rank}]: error: {cause}cannot begin the attempt in "), error
 
 
 @pytest.mark.parametrize("mode", ["disabled", "thread", "process"])
