@@ -124,26 +124,11 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 
 
 def assert_all_ok(results: list[subprocess.CompletedProcess]) -> None:
-    """Every rank of a multi-rank launch exited 0, but for the known teardown abort of a rank > 0."""
+    """Every rank of a multi-rank launch exited 0."""
     for rank, result in enumerate(results):
-        if rank > 0 and aborted_after_finalization(result):
-            continue
         assert result.returncode == 0, (
             f"rank {rank} exited {result.returncode}:\n{result.stdout}\n{result.stderr[-4000:]}"
         )
-
-
-def aborted_after_finalization(result: subprocess.CompletedProcess) -> bool:
-    """KNOWN ISSUE (docs/distributed.md): under the whole suite's load on 2 CPUs, a rank > 0 of a gloo run has been seen
-    to abort with SIGABRT after its Python had finished ("terminate called without an active exception", faulthandler:
-    "<no Python frame>"), every file written and every collective done; never in isolation. Such a rank is not counted
-    as failed: each test still checks everything the run wrote, and rank 0 must exit 0."""
-    return (
-        result.returncode == -signal.SIGABRT
-        and "terminate called without an active exception" in result.stdout
-        and "<no Python frame>" in result.stdout
-        and "Traceback" not in result.stdout
-    )
 
 
 def free_port() -> int:

@@ -36,6 +36,7 @@ from perdure.checkpoints.select import manager_class as select_manager_class
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
 from perdure.distributed.collectives import max_over_ranks
+from perdure.distributed.gloo_exit import settle_gloo_workers_at_exit
 from perdure.errors import PerdureError
 from perdure.loggers.console import (
     EarlyRecords,
@@ -119,6 +120,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         self.preemption = PreemptionHandler()
         self.stop_signal = 0  # the signal all ranks agreed to stop for (0: none)
         self.rank, self.world_size = self.init_distributed()
+        settle_gloo_workers_at_exit()  # a rank that leaves right after a collective must not abort (gloo_exit.py)
         seed_everything(config.seed)
 
         self.run_lock: RunLock | None = None  # rank 0: an existing run's from `__init__`, a new one's from `train()`
