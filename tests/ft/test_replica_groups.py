@@ -138,16 +138,19 @@ def test_ddp_inside_each_group(tmp_path, lighthouse):
 def test_fsdp_inside_each_group_is_hsdp_across_groups(tmp_path, lighthouse):
     """stack=parallel, 2 groups x 2 ranks (FSDP2 inside each group): group 1 dies, group 0 keeps committing, the
     restart heals shard by shard from the same ranks of group 0, and rank r of both groups ends with the same shards."""
-    args = (*ARGS[2:], "--steps", "120", "--stack", "parallel", "--dist.timeout", "60")
+    # 240 steps, 0.15 s each while held: group 0 must not finish while group 1 starts, dies, restarts and heals on a
+    # loaded machine (at 120 it once ran out its budget first).
+    steps = 240
+    args = (*ARGS[2:], "--steps", str(steps), "--stack", "parallel", "--dist.timeout", "60")
     root, group0, _ = two_rank_groups_killed_and_healed(tmp_path, lighthouse, *args, kill_after=6)
     assert "parallel: shard 2 (2 ranks)" in group0.output()
     for rank in (0, 1):
         a, b = (final_state(tmp_path / f"final{replica}-{rank}.pt") for replica in (0, 1))
-        assert a["step"] == 120
+        assert a["step"] == steps
         assert_same_state(a, b)
     record = sidecar(root)
-    assert record["step"] == 120 and record["status"] == "completed"
-    assert read_pointer(run_dir(root) / "checkpoints", "latest") == "ckpt-s000000000120"
+    assert record["step"] == steps and record["status"] == "completed"
+    assert read_pointer(run_dir(root) / "checkpoints", "latest") == f"ckpt-s{steps:012d}"
 
 
 def test_bad_lighthouse_fails_at_the_first_step(tmp_path):
