@@ -57,11 +57,10 @@ from perdure.runners.evaluation import EvaluationMixin
 from perdure.runners.export import read_weights
 from perdure.runners.metrics import MetricsMixin
 from perdure.runners.optim import build_optimizer, build_scheduler
-from perdure.runners.peak_flops import device_peak_flops
 from perdure.runners.rng import derived_seed, seed_everything
 from perdure.runners.state import RunnerState
 from perdure.runners.telemetry import RunTelemetry
-from perdure.runners.throughput import ThroughputMeter, model_device
+from perdure.runners.throughput import ThroughputMeter
 
 NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
 
@@ -421,7 +420,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         self.optimizer.zero_grad(set_to_none=True)
         self.checkpoints.start()
         self.telemetry.begin_training(self.config.steps if self.config.training_mode() == "steps" else None)
-        self._start_meter(loader)
+        self._start_meter(loader, counts_tokens=type(self).batch_tokens is not BaseRunner.batch_tokens)
         self._budget_done = done
         # Installed until the last save is drained: a second SIGINT during a forced save still exits at once.
         self.preemption.install()
@@ -587,20 +586,3 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
     @property
     def best_score(self) -> float | None:
         return self.state.best_score
-
-    def _start_meter(self, loader: ResumableLoader) -> None:
-        """The loop starts: what the log lines' throughput columns need (token counting, FLOPs, peak, budget)."""
-        if self.config.training_mode() == "steps":
-            total: int | None = self.config.steps
-        else:
-            total = self.total_steps_hint() if loader.samples_per_epoch() is not None else None
-        device = model_device(self.unwrap_model())
-        counts_tokens = type(self).batch_tokens is not BaseRunner.batch_tokens
-        self.meter.start(
-            self.state.global_step,
-            total_steps=total,
-            device=device,
-            count_tokens=self.batch_tokens if counts_tokens else None,
-            flops_per_token=self.flops_per_token(),
-            peak_flops=device_peak_flops(device, self.config.precision, self.config.perf.peak_flops),
-        )

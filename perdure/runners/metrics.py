@@ -5,12 +5,33 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from perdure.data.loader import ResumableLoader
 from perdure.runners.losses import mean_loss
+from perdure.runners.peak_flops import device_peak_flops
+from perdure.runners.throughput import model_device
 
 
 class MetricsMixin:
-    """The train log line, and the public `log_metrics` / `log_image`. Part of `BaseRunner` (one concept per file); it
-    uses the runner's `state`, `optimizer`, `meter`, `telemetry` and the loop's pending `_losses`."""
+    """The throughput meter's start, the train log line, and the public `log_metrics` / `log_image`. Part of
+    `BaseRunner` (one concept per file); it uses the runner's `state`, `config`, `optimizer`, `meter`, `telemetry` and
+    the loop's pending `_losses`."""
+
+    def _start_meter(self, loader: ResumableLoader, counts_tokens: bool) -> None:
+        """The loop starts: what the log lines' throughput columns need (token counting when the runner overrides
+        `batch_tokens`, FLOPs, peak, budget)."""
+        if self.config.training_mode() == "steps":
+            total: int | None = self.config.steps
+        else:
+            total = self.total_steps_hint() if loader.samples_per_epoch() is not None else None
+        device = model_device(self.unwrap_model())
+        self.meter.start(
+            self.state.global_step,
+            total_steps=total,
+            device=device,
+            count_tokens=self.batch_tokens if counts_tokens else None,
+            flops_per_token=self.flops_per_token(),
+            peak_flops=device_peak_flops(device, self.config.precision, self.config.perf.peak_flops),
+        )
 
     def _log_train_progress(self) -> None:
         if not self._losses:
