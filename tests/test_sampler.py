@@ -110,3 +110,21 @@ def test_an_evaluation_limit_bounds_the_same_samples_on_any_number_of_ranks():
         return sorted(index for share in shares for index in share)
 
     assert read(1) == read(2) == read(3) == list(range(24))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batch_count_is_what_iter_epoch_reads_whatever_was_read_before(drop_last):
+    """`batch_count(limit)` is the number of batches `iter_epoch(e, 0, limit)` yields on this rank, also right after
+    an iteration with another limit: `len()` is not (it keeps the last limit), and a stack that sized an evaluation
+    by `len()` evaluated fewer batches at every evaluation (28, 16, 8, 4 of 49 samples)."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(49))
+    loaders = [
+        ResumableLoader(dataset, batch_size=4, shuffle=False, rank=rank, world_size=2, drop_last=drop_last, pad=False)
+        for rank in range(2)
+    ]
+    for loader in loaders:
+        for limit in (None, 28, 8, None, 3, 49, 1000):
+            expected = len(list(loader.iter_epoch(0, limit=limit)))
+            list(loader.iter_epoch(0, limit=12))  # a different last limit
+            assert loader.batch_count(limit) == expected, limit
+    assert [loader.batch_count() for loader in loaders] == ([6, 6] if drop_last else [7, 6])

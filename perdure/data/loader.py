@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -130,4 +131,13 @@ class ResumableLoader:
             self._iterable_state = state["loader"]
 
     def __len__(self) -> int:
+        """Batches of the epoch the last `iter_epoch` began (what is left of it from where it began)."""
         return len(self.loader)
+
+    def batch_count(self, limit: int | None = None) -> int:
+        """Batches this rank reads of an epoch from its start, ended after `limit` samples (all ranks together), as
+        `iter_epoch(epoch, 0, limit)` reads them; unlike `len()`, whatever the last `iter_epoch` was. Map-style only."""
+        if self.sampler is None:
+            raise TypeError("batch_count: an iterable dataset's batches are not known ahead")
+        samples = self.sampler.rank_samples(0, limit)
+        return samples // self.batch_size if self.loader.drop_last else math.ceil(samples / self.batch_size)

@@ -75,13 +75,17 @@ class ResumableSampler(Sampler[int]):
     @property
     def total_size(self) -> int:
         """Samples all ranks together consume in one epoch."""
+        return self.epoch_size(self.limit)
+
+    def epoch_size(self, limit: int | None) -> int:
+        """Samples all ranks together consume in one epoch that `limit` (if not None) ends after so many."""
         if self.drop_last:
             total = (self.dataset_len // self.world_size) * self.world_size
         elif not self.pad:
             total = self.dataset_len
         else:
             total = math.ceil(self.dataset_len / self.world_size) * self.world_size
-        return total if self.limit is None else min(total, self.limit)
+        return total if limit is None else min(total, limit)
 
     def indices(self, positions: torch.Tensor) -> torch.Tensor:
         """Dataset indices at `positions` (int64, any shape) of this epoch's order; positions past the dataset's
@@ -107,7 +111,11 @@ class ResumableSampler(Sampler[int]):
             yield from self.indices(positions).tolist()
 
     def __len__(self) -> int:
-        remaining = max(self.total_size - self.offset, 0)
+        return self.rank_samples(self.offset, self.limit)
+
+    def rank_samples(self, offset: int = 0, limit: int | None = None) -> int:
+        """Samples this rank reads of an epoch from global position `offset`, ended after `limit` (as `set_epoch`)."""
+        remaining = max(self.epoch_size(limit) - offset, 0)
         return max(remaining - self.rank + self.world_size - 1, 0) // self.world_size
 
     def position(self) -> dict[str, Any]:

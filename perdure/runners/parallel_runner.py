@@ -347,14 +347,21 @@ class ParallelRunner(TorchRunner):
         parameters of each forward collectively, so a data rank with one batch more (an uneven share of the split)
         would wait forever. The split's last batches beyond that common count (fewer than one sample per data rank)
         are left out."""
-        common = min(all_gather_object(len(self.dataloaders[split])))
-        return super().evaluate_steps(split, common if steps is None else min(steps, common))
+        loader = self.dataloaders[split]
+        if loader.is_iterable:  # every data rank reads `steps` batches of its own stream
+            common = min(all_gather_object(len(loader)))
+            return super().evaluate_steps(split, common if steps is None else min(steps, common))
+        counts = all_gather_object(loader.batch_count(None if steps is None else steps * loader.batch_size))
+        if len(set(counts)) > 1:  # the first `min` batches of each data rank: that many per data rank, all together
+            steps = min(counts) * loader.world_size
+        return super().evaluate_steps(split, steps)
 
     def infer(self, split: str) -> torch.Tensor:
         if self.pipeline is not None:
             raise PerdureError("infer() runs the model as one module; under pipeline parallelism export the weights "
                                "(model.pth) and load them with --pretrained on one process instead")  # fmt: skip
-        counts = all_gather_object(len(self.dataloaders[split]))
+        loader = self.dataloaders[split]
+        counts = all_gather_object(len(loader) if loader.is_iterable else loader.batch_count())
         if len(set(counts)) > 1:
             raise PerdureError(
                 f"infer({split!r}): the data ranks hold {counts} batches of the split, but FSDP runs every forward on "
