@@ -12,8 +12,9 @@ last checkpoint and ends with exactly the same weights as a run that never stopp
 Everything is made in code (no downloads): noisy Gaussian blobs, several per class, split once into train / val with a
 shuffled permutation; perdure shuffles the training order every epoch.
 
-Environment knob (for the demo only, it does not change the maths or the run's identity):
+Environment knobs (for demos only, they do not change the maths or the run's identity):
   MLP_STEP_DELAY  seconds to sleep after each micro-batch, so that a kill lands mid-run in `examples/demo.py`
+  MLP_EVAL_DELAY  seconds to sleep after each evaluation batch: a long evaluation (docs/resilience.md)
 """
 
 import os
@@ -103,11 +104,14 @@ class MLPRunner(Runner):
             data.samples, data.features, data.classes, data.clusters, data.noise, data.val_fraction, data.seed
         )
         self.step_delay = float(os.environ.get("MLP_STEP_DELAY", "0"))
+        self.eval_delay = float(os.environ.get("MLP_EVAL_DELAY", "0"))
 
     # The default train_step (criterion(model(x), y)) is all we need; evaluation also reports accuracy.
     def evaluate_step(self, batch):
         x, y = self.unpack_batch(batch)
         logits = self.model(x)
+        if self.eval_delay:
+            time.sleep(self.eval_delay)
         return {"loss": self.criterion(logits, y), "accuracy": (logits.argmax(dim=1) == y).float().mean()}
 
     def train_step(self, batch):

@@ -333,6 +333,17 @@ class CheckpointManager(ABC):
         for path in staged:
             shutil.rmtree(path, ignore_errors=True)
 
+    def point_best(self, name: str) -> None:
+        """Point `best` at `name`, a checkpoint committed by an earlier attempt whose evaluation only this attempt
+        finished (see `BaseRunner._evaluate_pending`). Rank 0 writes, when no save is in flight (the attempt has not
+        saved yet); a pointer that cannot be written is reported and `best` keeps its checkpoint."""
+        if self.rank != 0 or not self.policy.enabled or not (self.root / name).is_dir():
+            return
+        try:
+            write_pointer(self.root, "best", name)
+        except OSError as error:
+            logger.warning("best still names %s: %s", read_pointer(self.root, "best"), error)
+
     def wait_for_snapshots(self) -> None:
         """Block until async snapshots have copied what the optimizer step is about to change."""
         if self._saver is not None:

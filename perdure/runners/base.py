@@ -293,13 +293,14 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
     def evaluate_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
         """Metrics of one evaluation batch, averaged over the split weighted by batch size.
 
-        Called under `torch.inference_mode()` with the model in eval mode. Must not draw from the global RNGs.
+        Called under `evaluation_context()` (default `torch.no_grad()`) with the model in eval mode. Must not draw
+        from the global RNGs.
         """
         inputs, target = self.unpack_batch(batch)
         return {"loss": self.criterion(self.model(inputs), target)}
 
     def infer_step(self, batch: Any) -> torch.Tensor:
-        """Model output of one batch for `infer`. Called under `torch.inference_mode()` in eval mode."""
+        """Model output of one batch for `infer`. Called under `evaluation_context()` in eval mode."""
         inputs, _ = self.unpack_batch(batch)
         return self.model(inputs)
 
@@ -396,24 +397,34 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         self._fit(lambda: self.state.epoch >= budget, f"{budget} epochs")
 
     def _fit(self, budget_reached: Callable[[], bool], budget: str) -> None:
-        if budget_reached() or self.state.early_stopped:
-            why = "stopped early" if self.state.early_stopped else f"reached its budget of {budget}"
-            self.logger.info(
-                "run %s already %s at step %d: nothing to train (raise the budget to continue it)",
-                self.run_dir.path,
-                why,
-                self.state.global_step,
-            )
-            self._finish()
-            return
+        def done() -> bool:
+            return budget_reached() or self.state.early_stopped
+
+        self._budget_done = done
+        # Installed until the last save is drained: a second SIGINT during a forced save still exits at once.
+        self.preemption.install()
+        try:
+            if self.state.evaluation_pending:
+                self._evaluate_pending()
+            if done():
+                why = "stopped early" if self.state.early_stopped else f"reached its budget of {budget}"
+                self.logger.info(
+                    "run %s already %s at step %d: nothing to train (raise the budget to continue it)",
+                    self.run_dir.path,
+                    why,
+                    self.state.global_step,
+                )
+                self._finish()
+                return
+            self._train_until(done, budget)
+        finally:
+            self.preemption.uninstall()
+
+    def _train_until(self, done: Callable[[], bool], budget: str) -> None:
         self.logger.info(
             "training %s from step %d (epoch %d) for %s", self.run_dir.path, self.state.global_step,
             self.state.epoch, budget,
         )  # fmt: skip
-
-        def done() -> bool:
-            return budget_reached() or self.state.early_stopped
-
         loader = self.dataloaders["train"]
         self.cadence = Cadence.from_config(self.config)
         self.model.train()
@@ -421,29 +432,23 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         self.checkpoints.start()
         self.telemetry.begin_training(self.config.steps if self.config.training_mode() == "steps" else None)
         self._start_meter(loader, counts_tokens=type(self).batch_tokens is not BaseRunner.batch_tokens)
-        self._budget_done = done
-        # Installed until the last save is drained: a second SIGINT during a forced save still exits at once.
-        self.preemption.install()
-        try:
-            while not (done() or self.stop_requested()):
-                epoch_started = self.state.samples_in_epoch == 0
-                consumed = 0
-                for window in self._accumulation_windows(loader):
-                    consumed += len(window)
-                    if not self._train_window(window, loader):
-                        break  # the step did not count: read again from the data position
-                    if done() or self.stop_requested():
-                        break
-                else:
-                    if epoch_started and consumed == 0:
-                        raise PerdureError("the 'train' dataloader yields no batches: check the dataset and batch_size")
-                    self._end_epoch()
-            if done():
-                self._finish()
+        while not (done() or self.stop_requested()):
+            epoch_started = self.state.samples_in_epoch == 0
+            consumed = 0
+            for window in self._accumulation_windows(loader):
+                consumed += len(window)
+                if not self._train_window(window, loader):
+                    break  # the step did not count: read again from the data position
+                if done() or self.stop_requested():
+                    break
             else:
-                self._stop_for_preemption()
-        finally:
-            self.preemption.uninstall()
+                if epoch_started and consumed == 0:
+                    raise PerdureError("the 'train' dataloader yields no batches: check the dataset and batch_size")
+                self._end_epoch()
+        if done() and not self.stop_signal:
+            self._finish()
+        else:
+            self._stop_for_preemption()
 
     def _accumulation_windows(self, loader: ResumableLoader) -> Iterator[list[Any]]:
         """Groups of `accum_steps` micro-batches; an epoch's last window may be shorter and is stepped as is."""
@@ -528,15 +533,16 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         an improved score is saved too (`ckpt.save_best`), so `best` always names a checkpoint."""
         cadence = self.cadence
         self.is_best = False
-        if count % cadence.eval_every == 0 and self._eval_splits():
-            self._evaluate_and_score()
+        if count % cadence.eval_every == 0 and self._eval_splits() and not self._evaluate_and_score():
+            return  # a preemption signal stopped the evaluation: the loop saves this position and exits
         if count % cadence.save_every == 0:
             self.save_checkpoint("interval")
         elif self.is_best and cadence.save_best:
             self.save_checkpoint("best")
 
     def stop_requested(self) -> bool:
-        """Called after every optimizer step: True when training must stop now (a preemption signal arrived).
+        """Called after every optimizer step, and before each batch of the loop's evaluations (as many as every rank
+        reads): True when training must stop now (a preemption signal arrived).
 
         Distributed stacks override it so that all ranks agree. Must not save or exit: the loop does that.
         """
@@ -550,7 +556,8 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         evaluated = str(self.state.global_step) in self.state.results
         if self.config.training_mode() == "steps" and self._eval_splits() and not evaluated:
             self.is_best = False
-            self._evaluate_and_score()
+            if not self._evaluate_and_score():
+                self._stop_for_preemption()
         self.save_checkpoint("final")
         self._report_saves(self.checkpoints.close())
         if self.config.ckpt.enabled:

@@ -3,21 +3,48 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 
 import torch
 
 from perdure.data.batch import batch_length
-from perdure.distributed.collectives import sum_over_ranks
+from perdure.data.loader import ResumableLoader
+from perdure.distributed.collectives import max_over_ranks, sum_over_ranks
+from perdure.runners.rng import RNGState
+
+
+class EvaluationStopped(Exception):
+    """A preemption signal stopped a training evaluation before batch `batch` of `split` (on every rank alike)."""
+
+    def __init__(self, split: str, batch: int) -> None:
+        super().__init__(f"evaluation stopped before batch {batch} of {split!r} by a preemption signal")
+        self.split = split
+        self.batch = batch
 
 
 class EvaluationMixin:
-    """Evaluation loops, results history, best score and early stopping. Part of `BaseRunner` (one concept per
-    file); it uses the runner's `config`, `state`, `model`, `dataloaders`, `autocast` and `evaluate_step`."""
+    """Evaluation loops, results history, best score and early stopping, and an evaluation a preemption signal stops.
+    Part of `BaseRunner` (one concept per file); it uses the runner's `config`, `state`, `model`, `dataloaders`,
+    `autocast`, `evaluate_step`, `stop_requested`, `checkpoints` and `_stop_for_preemption`."""
+
+    _evaluation_stops_on_signal = False  # set while the training loop evaluates (`_evaluate_and_score`)
 
     def _eval_splits(self) -> list[str]:
         return [split for split in self.dataloaders if split != "train"]
+
+    def evaluation_context(self) -> AbstractContextManager:
+        """Override point: the autograd mode `evaluate_steps` and `infer` run the model in; default `torch.no_grad()`.
+
+        Called at every evaluation, which may come before the first training step (a resumed run first evaluates the
+        step a signal stopped its evaluation in; `evaluate()` before `train()`). Not `torch.inference_mode()`: what a
+        model makes at its first forward and training then uses (FSDP2's all-gather buffers, ZeRO-3's gathered
+        parameters, a rotary-embedding cache) would be inference tensors, which training cannot use. Must not
+        change any state.
+        """
+        return torch.no_grad()
 
     def evaluate(self, splits: list[str] | None = None) -> dict[str, dict[str, float]]:
         """Evaluate each split (default: every split but train) on its first `eval_batches(split)` batches."""
@@ -39,6 +66,9 @@ class EvaluationMixin:
         For a map-style split the batches are counted for all ranks together: the first `steps x batch_size`
         samples, each rank reading its share, so the samples evaluated do not depend on the number of ranks. An
         iterable split reads `steps` batches on each rank.
+
+        An evaluation the training loop runs stops at the next batch once a preemption signal arrives (every rank at
+        the same batch, see `_batches_checked_for_stop`): it raises `EvaluationStopped`, and the loop saves the step.
         """
         model = self.model
         was_training = model.training
@@ -50,16 +80,31 @@ class EvaluationMixin:
         batches = loader.iter_epoch(0, limit=limit)
         if loader.is_iterable and steps is not None:
             batches = itertools.islice(batches, steps)
-        with torch.inference_mode():
-            for batch in batches:
-                with self.autocast():
-                    metrics = self.evaluate_step(batch)
-                weight = batch_length(batch)
-                for name, value in metrics.items():
-                    totals[name] = totals.get(name, 0.0) + float(value) * weight
-                count += weight
-        model.train(was_training)
+        checked = self._batches_checked_for_stop(loader, limit) if self._evaluation_stops_on_signal else 0
+        try:
+            with self.evaluation_context():
+                for index, batch in enumerate(batches):
+                    if index < checked and self.stop_requested():
+                        raise EvaluationStopped(split, index)
+                    with self.autocast():
+                        metrics = self.evaluate_step(batch)
+                    weight = batch_length(batch)
+                    for name, value in metrics.items():
+                        totals[name] = totals.get(name, 0.0) + float(value) * weight
+                    count += weight
+        finally:
+            model.train(was_training)
         return self.reduce_metrics(totals, count)
+
+    def _batches_checked_for_stop(self, loader: ResumableLoader, limit: int | None) -> int:
+        """Before how many of this evaluation's batches a preemption signal is looked for: all of them on one process;
+        with several ranks, as many as every rank reads (each look agrees the signal over all ranks, so every rank
+        must take it, and a stack may run each forward collectively). An uneven share's last batch is not looked
+        before, nor any batch of an iterable split (how many batches each rank's shard holds is not known ahead)."""
+        if self.world_size == 1:
+            return sys.maxsize
+        local = 0 if loader.is_iterable else loader.batch_count(limit)
+        return -max_over_ranks(-local)
 
     def reduce_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
         """Turn weighted sums into means, after summing `totals` and `count` over every rank (each evaluates its own
@@ -74,21 +119,56 @@ class EvaluationMixin:
         was_training = model.training
         model.eval()
         outputs = []
-        with torch.inference_mode():
+        with self.evaluation_context():
             for batch in self.dataloaders[split].iter_epoch(0):
                 with self.autocast():
                     outputs.append(self.infer_step(batch))
         model.train(was_training)
         return torch.cat(outputs)
 
-    def _evaluate_and_score(self) -> None:
+    def _evaluate_and_score(self) -> bool:
+        """The training loop's evaluation of every split: its results are kept, logged and scored; returns True.
+
+        A preemption signal stops it (see `evaluate_steps`): nothing of it is kept, the random generators go back to
+        where they stood before it (so the one run again later draws what this one would have), the state records
+        that this position's evaluation is still to run (`evaluation_pending`: the next attempt runs it first), and
+        it returns False; the caller then saves this position and exits.
+        """
         started = time.perf_counter()
-        results = self.evaluate()
-        self.meter.exclude(time.perf_counter() - started)  # not training time: kept out of step_time
+        generators = RNGState().state_dict()
+        self._evaluation_stops_on_signal = True
+        try:
+            results = self.evaluate()
+        except EvaluationStopped as stopped:
+            RNGState().load_state_dict(generators)
+            self.state.evaluation_pending = True
+            self.logger.warning(
+                "evaluation of step %d stopped at batch %d of %r: the next attempt runs it again before training on",
+                self.state.global_step,
+                stopped.batch,
+                stopped.split,
+            )
+            return False
+        finally:
+            self._evaluation_stops_on_signal = False
+            self.meter.exclude(time.perf_counter() - started)  # not training time: kept out of step_time
+        self.state.evaluation_pending = False
         self.state.results[str(self.state.global_step)] = results
         for split, metrics in results.items():
             self.log_metrics(split, metrics)
         self._update_score(results)
+        return True
+
+    def _evaluate_pending(self) -> None:
+        """The attempt starts from a position whose evaluation a preemption signal stopped: run it now, as the
+        uninterrupted run did right after that step. The position is saved already (a position is never saved twice),
+        so an improved score points `best` at that checkpoint."""
+        self.logger.info("evaluating step %d, which the last attempt was stopped in", self.state.global_step)
+        self.is_best = False
+        if not self._evaluate_and_score():
+            self._stop_for_preemption()
+        if self.is_best and self.config.ckpt.enabled:
+            self.checkpoints.point_best(self._position_name())
 
     def _update_score(self, results: Mapping[str, Mapping[str, float]]) -> None:
         score_config = self.config.score

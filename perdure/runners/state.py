@@ -37,6 +37,8 @@ class RunnerState:
     patience_count: int = 0
     early_stopped: bool = False
     wandb_run_id: str | None = None
+    # A preemption signal stopped the evaluation due at this position: the next attempt runs it before training on.
+    evaluation_pending: bool = False
     # Train losses of the steps since the last log line, as floats, so a resumed run logs the same averages.
     pending_losses: list[float] = field(default_factory=list)
 

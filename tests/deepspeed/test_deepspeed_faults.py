@@ -1,6 +1,6 @@
-"""stack=deepspeed under faults and bad input: SIGTERM to one rank, a non-finite step on one rank, fp16 overflow
-skips, a raw DeepSpeed setting that contradicts a runner key, a checkpoint whose pickle would run code, and the export
-loaded with --pretrained on the torch stack."""
+"""stack=deepspeed under faults and bad input: SIGTERM to one rank (in a step, and in a ZeRO-3 evaluation), a
+non-finite step on one rank, fp16 overflow skips, a raw DeepSpeed setting that contradicts a runner key, a checkpoint
+whose pickle would run code, and the export loaded with --pretrained on the torch stack."""
 
 from __future__ import annotations
 
@@ -59,6 +59,41 @@ def test_sigterm_to_rank_one_saves_every_rank_at_the_same_step(references, tmp_p
         assert min(position[1] for position in resumed) == stopped
         assert all(expected[position] == loss for position, loss in resumed.items()), f"rank {rank} differs"
     assert_same_weights(final_weights(reference), final_weights(root))
+
+
+def val_losses(root):
+    with open(run_dir(root) / "metrics.csv") as file:
+        return [(row["step"], row["value"]) for row in csv.DictReader(file) if row["split"] == "val"]
+
+
+def test_sigterm_to_rank_one_in_an_evaluation_under_zero3_stops_every_rank_and_the_rerun_evaluates_first(
+    references, tmp_path
+):
+    """ZeRO-3 gathers the parameters of every evaluation forward collectively: SIGTERM to rank 1 alone during the
+    evaluation of step 5 stops both ranks at the same batch (exit 143, step 5 saved). The rerun evaluates step 5
+    first, before any training step (its gathered parameters must stay usable by training: evaluation runs under
+    no_grad, not inference mode), and ends bit-equal to the uninterrupted run: losses, weights, evaluations."""
+    reference, root, args = references("zero3-ema"), tmp_path / "runs", args_of("zero3-ema")
+    eval_log = tmp_path / "eval-0.jsonl"
+    processes = start_ranks(2, "resumable.py", root, *args, EVAL_SLEEP="0.3", EVAL_LOG=tmp_path / "eval-{rank}.jsonl")
+    wait_for_lines(eval_log, 1, processes)
+    processes[1].send_signal(signal.SIGTERM)
+    outputs = [process.communicate(timeout=120)[0] for process in processes]
+    assert [process.returncode for process in processes] == [143, 143], outputs
+    assert all("evaluation of step 5 stopped at batch" in output for output in outputs), outputs
+    assert len(eval_log.read_text().splitlines()) < 5  # 20 validation samples a rank: 5 batches
+    manifest = verify_checkpoint(latest(root))
+    assert (manifest["global_step"], manifest["reason"]) == (5, "preemption")
+    rerun = run_ranks(2, "resumable.py", root, *args, timeout=TIMEOUT, LOSS_LOG=tmp_path / "rerun-{rank}.jsonl")
+    assert_all_ok(rerun)
+    assert "evaluating step 5, which the last attempt was stopped in" in rerun[0].stdout
+    for rank in range(2):
+        expected = read_losses(reference / f"losses-{rank}.jsonl")
+        resumed = read_losses(tmp_path / f"rerun-{rank}.jsonl")
+        assert min(position[1] for position in resumed) == 5
+        assert all(expected[position] == loss for position, loss in resumed.items()), f"rank {rank} differs"
+    assert_same_weights(final_weights(reference), final_weights(root))
+    assert val_losses(root) == val_losses(reference)
 
 
 def test_a_non_finite_step_on_one_rank_is_skipped_by_every_rank(tmp_path):

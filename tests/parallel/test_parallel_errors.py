@@ -4,6 +4,8 @@ the background: the preemption save is drained before the exit)."""
 
 from __future__ import annotations
 
+import collections
+import json
 import re
 import signal
 import time
@@ -11,7 +13,7 @@ import time
 import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
-from tests.runs import run, run_dir, run_ranks, start_ranks
+from tests.runs import assert_all_ok, read_losses, run, run_dir, run_ranks, start_ranks
 
 STACK = ("--stack", "parallel", "--dist.timeout", "60")
 TIMEOUT = 120
@@ -85,3 +87,56 @@ def test_sigterm_to_one_rank_saves_the_same_step_on_every_rank(tmp_path, axes):
     assert manifest["global_step"] == stopped.pop() and manifest["reason"] == "preemption"
     assert manifest["world_size"] == 2 and manifest["topology"]["pipeline"] == (2 if axes else 1)
     assert all(f"checkpointing step {manifest['global_step']}" in output for output in outputs)
+
+
+def evaluation_batches(path):
+    """{step: batches} one rank's EVAL_LOG holds."""
+    return collections.Counter(json.loads(line)["step"] for line in path.read_text().splitlines())
+
+
+def val_rows(root):
+    lines = (run_dir(root) / "metrics.csv").read_text().splitlines()[1:]
+    return [line for line in lines if line.split(",")[1] == "val"]
+
+
+def test_sigterm_to_one_rank_in_an_evaluation_stops_it_on_every_rank_and_the_rerun_evaluates_first(tmp_path):
+    """FSDP2 runs every evaluation forward collectively, so ranks must stop an evaluation at the same batch: SIGTERM to
+    rank 1 alone during the evaluation of step 5 stops both ranks there (exit 143, step 5 saved), and the rerun
+    evaluates step 5 first and ends with the uninterrupted run's losses and evaluations. Every evaluation reads the
+    same batches: the split's 49 samples less one, 6 batches per rank (stack=parallel used to read fewer at each
+    evaluation: it sized them by the last evaluation's bound)."""
+    args = (*STACK, "--steps", "10", "--ckpt.interval", "5", "--data.tokens", "4000")  # val: 49 windows
+    reference = tmp_path / "reference"
+    assert_all_ok(run_ranks(2, "parallel_gpt.py", reference, *args, timeout=TIMEOUT,
+                            EVAL_LOG=tmp_path / "reference-eval-{rank}.jsonl",
+                            LOSS_LOG=tmp_path / "reference-{rank}.jsonl"))  # fmt: skip
+    for rank in range(2):
+        assert evaluation_batches(tmp_path / f"reference-eval-{rank}.jsonl") == {5: 6, 10: 6}
+
+    root, eval_log = tmp_path / "runs", tmp_path / "eval-0.jsonl"
+    logs = {"EVAL_LOG": tmp_path / "eval-{rank}.jsonl", "LOSS_LOG": tmp_path / "losses-{rank}.jsonl"}
+    processes = start_ranks(2, "parallel_gpt.py", root, *args, EVAL_SLEEP="0.3", **logs)
+    deadline = time.monotonic() + TIMEOUT
+    while not (eval_log.exists() and eval_log.read_text()):
+        assert time.monotonic() < deadline and all(process.poll() is None for process in processes)
+        time.sleep(0.01)
+    processes[1].send_signal(signal.SIGTERM)
+    outputs = [process.communicate(timeout=TIMEOUT)[0] for process in processes]
+    assert [process.returncode for process in processes] == [143, 143], outputs
+    for rank, output in enumerate(outputs):
+        assert "evaluation of step 5 stopped at batch" in output and "checkpointing step 5" in output, output
+        assert evaluation_batches(tmp_path / f"eval-{rank}.jsonl")[5] < 6
+    checkpoints = run_dir(root) / "checkpoints"
+    manifest = verify_checkpoint(checkpoints / read_pointer(checkpoints, "latest"))
+    assert (manifest["global_step"], manifest["reason"]) == (5, "preemption")
+
+    logs = {"EVAL_LOG": tmp_path / "rerun-eval-{rank}.jsonl", "LOSS_LOG": tmp_path / "losses-{rank}.jsonl"}
+    results = run_ranks(2, "parallel_gpt.py", root, *args, timeout=TIMEOUT, **logs)  # the same runner class
+    assert_all_ok(results)
+    for rank in range(2):
+        assert evaluation_batches(tmp_path / f"rerun-eval-{rank}.jsonl") == {5: 6, 10: 6}
+    assert "evaluating step 5, which the last attempt was stopped in" in results[0].stdout
+    assert val_rows(root) == val_rows(reference)
+    for rank in range(2):
+        resumed = read_losses(tmp_path / f"losses-{rank}.jsonl")
+        assert resumed == read_losses(tmp_path / f"reference-{rank}.jsonl") and len(resumed) == 10

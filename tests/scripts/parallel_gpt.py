@@ -6,6 +6,8 @@ Environment knobs (tests only):
   SAMPLE_LOG    append the sample indices of every batch this rank reads, when it is the first reader of its data
                 rank (pipeline stage 0, position 0 of the model-parallel axes)
   STEP_SLEEP    seconds to sleep per window, so that a signal lands mid-run
+  EVAL_SLEEP    seconds to sleep per evaluation batch (a long evaluation a signal lands in); with EVAL_LOG, each
+                evaluation batch appends {"step"} there ("{rank}" replaced as in LOSS_LOG)
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (every rank does it at the same step)
   RENAMING_STAGE  the model's pipeline_stage renames its blocks (what the runner must refuse)
   NO_PARALLELIZE  the model has no parallelize method
@@ -82,6 +84,8 @@ class TestRunner(gpt.GPTRunner):
         self.sample_log = os.environ.get("SAMPLE_LOG", "").replace("{rank}", str(self.rank)) or None
         self.step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
         self.kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
+        self.eval_sleep = float(os.environ.get("EVAL_SLEEP", "0"))
+        self.eval_log = os.environ.get("EVAL_LOG", "").replace("{rank}", str(self.rank)) or None
 
     def first_reader(self):
         if not isinstance(self, ParallelRunner):
@@ -107,6 +111,18 @@ class TestRunner(gpt.GPTRunner):
         return loss
 
 
+class EvalLoggingRunner(TestRunner):
+    """With EVAL_SLEEP / EVAL_LOG only: a pipeline refuses a runner that overrides evaluate_step."""
+
+    def evaluate_step(self, batch):
+        metrics = super().evaluate_step(batch)
+        if self.eval_log:
+            with open(self.eval_log, "a") as log:
+                log.write(json.dumps({"step": self.state.global_step}) + "\n")
+        time.sleep(self.eval_sleep)
+        return metrics
+
+
 class OwnTrainStepRunner(TestRunner):
     def train_step(self, batch):
         inputs, target = self.unpack_batch(batch)
@@ -115,4 +131,6 @@ class OwnTrainStepRunner(TestRunner):
 
 if __name__ == "__main__":
     runner_class = OwnTrainStepRunner if os.environ.get("OWN_TRAIN_STEP") else TestRunner
+    if os.environ.get("EVAL_SLEEP") or os.environ.get("EVAL_LOG"):
+        runner_class = EvalLoggingRunner
     runner_class(Config().parse()).train()

@@ -6,6 +6,10 @@ Environment knobs (tests only):
   FINAL_STATE   after training, torch.save this process's model and optimizer state there ("{rank}" / "{replica}"
                 replaced as in LOSS_LOG): replica groups compare their parameters and optimizer states
   STEP_SLEEP    seconds to sleep per micro-batch, so an outside SIGKILL lands mid-run
+  EVAL_SLEEP    seconds to sleep per evaluation batch (a long evaluation a signal lands in); each evaluation batch
+                then appends {"step"} to EVAL_LOG when set ("{rank}" replaced as in LOSS_LOG)
+  EVAL_DRAW     "1": each evaluation batch draws from torch's generator (its `draw` metric), as a random augmentation
+                would
   SLOW_WHILE    a path: STEP_SLEEP applies only while it exists (a test holds a run back while it stages faults)
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (a deterministic hard death)
   KILL_AFTER_STEPS  SIGKILL this very process at the N-th step it trains itself, wherever a heal put it
@@ -160,6 +164,9 @@ class ResumableRunner(Runner):
         self._nan_done = False
         self._position = None
         self._micro = 0
+        self.eval_sleep = float(os.environ.get("EVAL_SLEEP", "0"))
+        self.eval_log = _per_process(os.environ.get("EVAL_LOG", ""), self.rank, config) or None
+        self.eval_draw = os.environ.get("EVAL_DRAW") == "1"
 
     def checkpoint_states(self):
         states = super().checkpoint_states()
@@ -187,6 +194,16 @@ class ResumableRunner(Runner):
         if self.step_sleep and (self.slow_while is None or os.path.exists(self.slow_while)):
             time.sleep(self.step_sleep)
         return loss
+
+    def evaluate_step(self, batch):
+        metrics = dict(super().evaluate_step(batch))
+        if self.eval_draw:
+            metrics["draw"] = float(torch.rand(()))
+        if self.eval_log:
+            with open(self.eval_log, "a") as log:
+                log.write(json.dumps({"step": self.state.global_step}) + "\n")
+        time.sleep(self.eval_sleep)
+        return metrics
 
 
 def _per_process(path: str, rank: int, config) -> str:
