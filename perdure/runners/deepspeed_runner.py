@@ -121,6 +121,11 @@ class DeepSpeedRunner(TorchRunner):
             and (self.config.skip_nonfinite_grad)
         )
 
+    def evaluates_in_lockstep(self) -> bool:
+        """ZeRO-3 gathers each module's parameter partitions at its forward, a collective (ZeRO 0-2 keep whole
+        parameters on every rank)."""
+        return self.engine.zero_optimization_stage() == 3
+
     def checkpoint_states(self) -> dict[str, Stateful]:
         """The engine in place of model and optimizer (it saves both, partitioned); the rest as on every stack."""
         states: dict[str, Stateful] = {}

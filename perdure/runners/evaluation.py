@@ -12,7 +12,8 @@ import torch
 
 from perdure.data.batch import batch_length
 from perdure.data.loader import ResumableLoader
-from perdure.distributed.collectives import max_over_ranks, sum_over_ranks
+from perdure.distributed.collectives import all_gather_object, max_over_ranks, sum_over_ranks
+from perdure.errors import PerdureError
 from perdure.runners.rng import RNGState
 
 
@@ -46,6 +47,17 @@ class EvaluationMixin:
         """
         return torch.no_grad()
 
+    def evaluates_in_lockstep(self) -> bool:
+        """Override point: whether every forward of an evaluation is a collective (FSDP2, tensor or pipeline
+        parallelism, ZeRO-3), so that every data rank must run as many. Then each data rank evaluates the first N
+        batches of its share, N the fewest any data rank holds: the split's last batches beyond (fewer samples than
+        there are data ranks) are left out, and `infer` refuses a split the data ranks do not divide evenly.
+
+        Default False: each rank evaluates its whole share, uneven or not. Called at every evaluation and `infer`;
+        must return the same on every rank.
+        """
+        return False
+
     def evaluate(self, splits: list[str] | None = None) -> dict[str, dict[str, float]]:
         """Evaluate each split (default: every split but train) on its first `eval_batches(split)` batches."""
         splits = splits or self._eval_splits()
@@ -70,12 +82,14 @@ class EvaluationMixin:
         An evaluation the training loop runs stops at the next batch once a preemption signal arrives (every rank at
         the same batch, see `_batches_checked_for_stop`): it raises `EvaluationStopped`, and the loop saves the step.
         """
+        loader = self.dataloaders[split]
+        if self.evaluates_in_lockstep():
+            steps = self._batches_every_rank_reads(loader, steps)
         model = self.model
         was_training = model.training
         model.eval()
         totals: dict[str, float] = {}
         count = 0
-        loader = self.dataloaders[split]
         limit = None if steps is None else steps * loader.batch_size
         batches = loader.iter_epoch(0, limit=limit)
         if loader.is_iterable and steps is not None:
@@ -96,6 +110,17 @@ class EvaluationMixin:
             model.train(was_training)
         return self.reduce_metrics(totals, count)
 
+    def _batches_every_rank_reads(self, loader: ResumableLoader, steps: int | None) -> int | None:
+        """`steps` for `evaluate_steps` (all ranks together; per rank on an iterable split) such that every data rank
+        reads the same number of batches: the fewest any data rank holds of the bounded split."""
+        if loader.is_iterable:  # each data rank reads `steps` batches of its own stream
+            common = min(all_gather_object(len(loader)))
+            return common if steps is None else min(steps, common)
+        counts = all_gather_object(loader.batch_count(None if steps is None else steps * loader.batch_size))
+        if len(set(counts)) == 1:
+            return steps
+        return min(counts) * loader.world_size  # the first `min` batches of each data rank's share
+
     def _batches_checked_for_stop(self, loader: ResumableLoader, limit: int | None) -> int:
         """Before how many of this evaluation's batches a preemption signal is looked for: all of them on one process;
         with several ranks, as many as every rank reads (each look agrees the signal over all ranks, so every rank
@@ -115,12 +140,21 @@ class EvaluationMixin:
 
     def infer(self, split: str) -> torch.Tensor:
         """Concatenated `infer_step` outputs over a whole split, in order."""
+        loader = self.dataloaders[split]
+        if self.evaluates_in_lockstep():
+            counts = all_gather_object(len(loader) if loader.is_iterable else loader.batch_count())
+            if len(set(counts)) > 1:
+                raise PerdureError(
+                    f"infer({split!r}): the data ranks hold {counts} batches of the split, but this stack runs every "
+                    "forward on every data rank together; use a split the data ranks divide evenly, or infer on one "
+                    "process from the exported model.pth"
+                )
         model = self.model
         was_training = model.training
         model.eval()
         outputs = []
         with self.evaluation_context():
-            for batch in self.dataloaders[split].iter_epoch(0):
+            for batch in loader.iter_epoch(0):
                 with self.autocast():
                     outputs.append(self.infer_step(batch))
         model.train(was_training)

@@ -342,32 +342,15 @@ class ParallelRunner(TorchRunner):
         inputs, target, size = self._pipeline_batch(batch)
         return {"loss": self.pipeline.evaluate_batch(inputs, target, size)}
 
-    def evaluate_steps(self, split: str, steps: int | None = None) -> dict[str, float]:
-        """As every stack's, except that every data rank evaluates the same number of batches: FSDP gathers the
-        parameters of each forward collectively, so a data rank with one batch more (an uneven share of the split)
-        would wait forever. The split's last batches beyond that common count (fewer than one sample per data rank)
-        are left out."""
-        loader = self.dataloaders[split]
-        if loader.is_iterable:  # every data rank reads `steps` batches of its own stream
-            common = min(all_gather_object(len(loader)))
-            return super().evaluate_steps(split, common if steps is None else min(steps, common))
-        counts = all_gather_object(loader.batch_count(None if steps is None else steps * loader.batch_size))
-        if len(set(counts)) > 1:  # the first `min` batches of each data rank: that many per data rank, all together
-            steps = min(counts) * loader.world_size
-        return super().evaluate_steps(split, steps)
+    def evaluates_in_lockstep(self) -> bool:
+        """True: FSDP2 gathers the parameters of every forward collectively (tensor and pipeline parallelism run
+        every forward together too)."""
+        return True
 
     def infer(self, split: str) -> torch.Tensor:
         if self.pipeline is not None:
             raise PerdureError("infer() runs the model as one module; under pipeline parallelism export the weights "
                                "(model.pth) and load them with --pretrained on one process instead")  # fmt: skip
-        loader = self.dataloaders[split]
-        counts = all_gather_object(len(loader) if loader.is_iterable else loader.batch_count())
-        if len(set(counts)) > 1:
-            raise PerdureError(
-                f"infer({split!r}): the data ranks hold {counts} batches of the split, but FSDP runs every forward on "
-                "every data rank together; use a split the data ranks divide evenly, or infer on one process from "
-                "the exported model.pth"
-            )
         return super().infer(split)
 
     def clip_and_check_gradients(self, parameters: list[torch.Tensor]) -> bool:

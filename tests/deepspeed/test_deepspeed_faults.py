@@ -69,8 +69,9 @@ def val_losses(root):
 def test_sigterm_to_rank_one_in_an_evaluation_under_zero3_stops_every_rank_and_the_rerun_evaluates_first(
     references, tmp_path
 ):
-    """ZeRO-3 gathers the parameters of every evaluation forward collectively: SIGTERM to rank 1 alone during the
-    evaluation of step 5 stops both ranks at the same batch (exit 143, step 5 saved). The rerun evaluates step 5
+    """Under ZeRO-3 an evaluation forward may gather parameters collectively, so ranks must stop an evaluation at the
+    same batch: SIGTERM to rank 1 alone during the evaluation of step 5 stops both ranks there (exit 143, step 5
+    saved). The rerun evaluates step 5
     first, before any training step (its gathered parameters must stay usable by training: evaluation runs under
     no_grad, not inference mode), and ends bit-equal to the uninterrupted run: losses, weights, evaluations."""
     reference, root, args = references("zero3-ema"), tmp_path / "runs", args_of("zero3-ema")
@@ -94,6 +95,23 @@ def test_sigterm_to_rank_one_in_an_evaluation_under_zero3_stops_every_rank_and_t
         assert all(expected[position] == loss for position, loss in resumed.items()), f"rank {rank} differs"
     assert_same_weights(final_weights(reference), final_weights(root))
     assert val_losses(root) == val_losses(reference)
+
+
+def test_zero3_evaluates_an_uneven_split_with_as_many_forwards_on_every_rank(tmp_path):
+    """ZeRO-3 gathers each module's parameters at its forward (here every forward: nothing persists or is prefetched),
+    a collective: with 41 validation samples rank 0 holds 6 batches and rank 1 five, and the sixth forward waited for
+    rank 1 until the collective timed out. Every rank now evaluates 5 batches (the 41st sample is left out)."""
+    ds_json = tmp_path / "ds_config.json"
+    gather_every_forward = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}
+    gather_every_forward |= {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 3, **gather_every_forward}}))
+    args = (*ARGS, "--steps", "2", "--ckpt.interval", "1", "--deepspeed.zero_stage", "3", "--deepspeed.config", ds_json)
+    results = run_ranks(2, "resumable.py", tmp_path / "runs", *args, "--dist.timeout", "30", timeout=TIMEOUT,
+                        VAL_SIZE="41", EVAL_LOG=tmp_path / "eval-{rank}.jsonl")  # fmt: skip
+    assert_all_ok(results)
+    for rank in range(2):
+        assert len((tmp_path / f"eval-{rank}.jsonl").read_text().splitlines()) == 2 * 5, f"rank {rank}"
+    assert "step 2/2 val: loss" in results[0].stdout
 
 
 def test_a_non_finite_step_on_one_rank_is_skipped_by_every_rank(tmp_path):

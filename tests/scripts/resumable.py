@@ -8,6 +8,7 @@ Environment knobs (tests only):
   STEP_SLEEP    seconds to sleep per micro-batch, so an outside SIGKILL lands mid-run
   EVAL_SLEEP    seconds to sleep per evaluation batch (a long evaluation a signal lands in); each evaluation batch
                 then appends {"step"} to EVAL_LOG when set ("{rank}" replaced as in LOSS_LOG)
+  VAL_SIZE      samples of the validation split (default 40)
   EVAL_DRAW     "1": each evaluation batch draws from torch's generator (its `draw` metric), as a random augmentation
                 would
   SLOW_WHILE    a path: STEP_SLEEP applies only while it exists (a test holds a run back while it stages faults)
@@ -152,7 +153,7 @@ class ResumableRunner(Runner):
         if os.environ.get("ITERABLE"):
             stream = Stream if os.environ["ITERABLE"] == "stateful" else StatelessStream
             self.datasets["train"] = stream(config.dataset_size, 1, self.rank, self.world_size)
-        self.datasets["val"] = Synthetic(40, seed=2)
+        self.datasets["val"] = Synthetic(int(os.environ.get("VAL_SIZE", "40")), seed=2)
         self.loss_log = _per_process(os.environ.get("LOSS_LOG", ""), self.rank, config) or None
         self.step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
         self.slow_while = os.environ.get("SLOW_WHILE")
