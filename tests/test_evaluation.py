@@ -3,13 +3,17 @@ best score found between two saves is saved and pointed to."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
+import time
 
 import pytest
 
 from perdure.checkpoints.commit import read_pointer
 from perdure.loggers.metrics_csv import read_metrics_csv
+from perdure.runners import telemetry
+from perdure.workspace.sidecar import heartbeat_mtime
 from tests.runs import run, run_dir
 from tests.scripts.resumable import ResumableRunner, make_config
 
@@ -71,3 +75,21 @@ def test_the_evaluation_of_a_checkpoint_step_survives_a_kill_right_after_the_com
     rows = [(step, split) for step, split, name, _ in read_metrics_csv(run_dir(tmp_path) / "metrics.csv")
             if name == "loss" and split == "val"]  # fmt: skip
     assert rows == [(10, "val"), (20, "val"), (30, "val")]
+
+
+def test_a_long_evaluation_keeps_the_heartbeat_going(tmp_path, monkeypatch):
+    """The registry shows a `running` run whose heartbeat is 10 minutes old as stale (dead without a word): a run in
+    an evaluation longer than that must go on beating, batch by batch, as its training steps do."""
+    monkeypatch.setattr(telemetry, "HEARTBEAT_SECONDS", 0.0)
+    runner = ResumableRunner(make_config(tmp_path, steps=10, **{"ckpt.interval": 10}))
+    seen = []
+    evaluate_step = runner.evaluate_step
+
+    def slow_evaluate_step(batch):
+        seen.append(heartbeat_mtime(runner.run_dir.path))
+        time.sleep(0.02)
+        return evaluate_step(batch)
+
+    runner.evaluate_step = slow_evaluate_step
+    runner.train()
+    assert len(seen) == 5 and all(later > earlier for earlier, later in itertools.pairwise(seen)), seen

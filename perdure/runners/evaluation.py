@@ -106,6 +106,7 @@ class EvaluationMixin:
                     for name, value in metrics.items():
                         totals[name] = totals.get(name, 0.0) + float(value) * weight
                     count += weight
+                    self.telemetry.alive()
         finally:
             model.train(was_training)
         return self.reduce_metrics(totals, count)

@@ -121,9 +121,14 @@ class RunTelemetry:
         lines are far apart is not mistaken for a stale one)."""
         if self.progress is not None:
             self.progress.update(step)
+        self.alive()
+
+    def alive(self) -> None:
+        """After every step and every evaluation batch: the heartbeat, every few seconds, so that a run in a long
+        evaluation (or whose log lines are far apart) is not shown as stale."""
         now = time.monotonic()
         if self.heartbeat is not None and now - self._heartbeat_at > HEARTBEAT_SECONDS:
-            self.heartbeat.beat(step)
+            self.heartbeat.beat(self.state.global_step)
             self._heartbeat_at = now
 
     def log_metrics(self, split: str, metrics: Mapping[str, float], step: int) -> None:
