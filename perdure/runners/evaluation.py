@@ -198,6 +198,9 @@ class EvaluationMixin:
         """The attempt starts from a position whose evaluation a preemption signal stopped: run it now, as the
         uninterrupted run did right after that step. The position is saved already (a position is never saved twice),
         so an improved score points `best` at that checkpoint."""
+        if not self._eval_splits():  # this attempt has no evaluation splits: nothing to run
+            self.state.evaluation_pending = False
+            return
         self.logger.info("evaluating step %d, which the last attempt was stopped in", self.state.global_step)
         self.is_best = False
         if not self._evaluate_and_score():

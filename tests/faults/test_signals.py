@@ -141,9 +141,9 @@ BUDGETS = {"steps-20": (("--steps", "20"), 10), "last-step": (("--steps", "10"),
 def test_signal_during_an_evaluation_stops_it_and_the_rerun_evaluates_that_step_first(tmp_path, budget):
     """A long evaluation must not hold a preempted job past its grace period (SLURM then SIGKILLs it, and the steps
     since the last save are lost): SIGTERM in the first evaluation stops it at the next batch, saves that step and
-    exits 143. The rerun evaluates that step first, drawing what the uninterrupted run drew there (the evaluation draws
-    from torch's generator: a stopped one must give back what it drew), and continues bit for bit: losses, weights,
-    every evaluation's metrics and the `best` pointer."""
+    exits 143. The next attempt evaluates that step first, and is stopped there too; the one after that evaluates it,
+    drawing what the uninterrupted run drew there (the evaluation draws from torch's generator: a stopped one must
+    give back what it drew), and continues bit for bit: losses, weights, every evaluation's metrics and `best`."""
     budget_args, stopped = BUDGETS[budget]
     args, knobs = (*EVAL_ARGS, *budget_args), {"EVAL_SLEEP": "0.2", "EVAL_DRAW": "1"}
     reference = tmp_path / "reference"
@@ -161,6 +161,18 @@ def test_signal_during_an_evaluation_stops_it_and_the_rerun_evaluates_that_step_
     checkpoints = run_dir(root) / "checkpoints"
     assert verify_checkpoint(checkpoints / read_pointer(checkpoints, "latest"))["reason"] == "preemption"
     assert val_rows(root) == [], "a stopped evaluation reports nothing"
+    saved = read_pointer(checkpoints, "latest")
+
+    # Stopped again in that evaluation, run first by the next attempt: nothing new to save, the step stays pending.
+    second_log = tmp_path / "eval-again.jsonl"
+    process = start_run("resumable.py", root, *args, **knobs, EVAL_LOG=second_log)
+    wait_for_losses(second_log, 1, process)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert f"evaluating step {stopped}, which the last attempt was stopped in" in output
+    assert f"evaluation of step {stopped} stopped at batch" in output and "Traceback" not in output
+    assert read_pointer(checkpoints, "latest") == saved and val_rows(root) == []
 
     resumed_log = tmp_path / "resumed.jsonl"
     result = run("resumable.py", root, *args, **knobs, LOSS_LOG=resumed_log)
