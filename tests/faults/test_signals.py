@@ -132,6 +132,16 @@ def val_rows(root):
     return [tuple(row[:1] + row[2:]) for row in (line.split(",") for line in lines) if row[1] == "val"]
 
 
+def sigterm_in_an_evaluation(root, eval_log, *args, **knobs):
+    """Start resumable.py, SIGTERM it once its first evaluation batch began, expect exit 143; its output."""
+    process = start_run("resumable.py", root, *args, **knobs, EVAL_LOG=eval_log)
+    wait_for_losses(eval_log, 1, process)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    return output
+
+
 # The budget, and the step whose evaluation the signal lands in: the first evaluation (every 10 steps; an epoch of 100
 # samples in batches of 8 is 13 steps). With 10 steps it is the last step's; with 2 epochs the first epoch's.
 BUDGETS = {"steps-20": (("--steps", "20"), 10), "last-step": (("--steps", "10"), 10), "epochs": (("--epochs", "2"), 13)}
@@ -150,11 +160,7 @@ def test_signal_during_an_evaluation_stops_it_and_the_rerun_evaluates_that_step_
     assert_ok(run("resumable.py", reference, *args, **knobs, LOSS_LOG=reference / "losses.jsonl"))
 
     root, eval_log = tmp_path / "run", tmp_path / "eval.jsonl"
-    process = start_run("resumable.py", root, *args, **knobs, EVAL_LOG=eval_log)
-    wait_for_losses(eval_log, 1, process)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode == 128 + signal.SIGTERM, output
+    output = sigterm_in_an_evaluation(root, eval_log, *args, **knobs)
     assert f"evaluation of step {stopped} stopped at batch" in output
     assert f"received SIGTERM: checkpointing step {stopped}" in output
     assert len(eval_log.read_text().splitlines()) < 5, "the evaluation ran to its end"
@@ -164,12 +170,7 @@ def test_signal_during_an_evaluation_stops_it_and_the_rerun_evaluates_that_step_
     saved = read_pointer(checkpoints, "latest")
 
     # Stopped again in that evaluation, run first by the next attempt: nothing new to save, the step stays pending.
-    second_log = tmp_path / "eval-again.jsonl"
-    process = start_run("resumable.py", root, *args, **knobs, EVAL_LOG=second_log)
-    wait_for_losses(second_log, 1, process)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode == 128 + signal.SIGTERM, output
+    output = sigterm_in_an_evaluation(root, tmp_path / "eval-again.jsonl", *args, **knobs)
     assert f"evaluating step {stopped}, which the last attempt was stopped in" in output
     assert f"evaluation of step {stopped} stopped at batch" in output and "Traceback" not in output
     assert read_pointer(checkpoints, "latest") == saved and val_rows(root) == []
