@@ -43,11 +43,16 @@ def all_gather_object(value: Any) -> list[Any]:
 
 def max_over_ranks(value: int) -> int:
     """The largest of an integer over all ranks, on every rank."""
+    return max_each_over_ranks([value])[0]
+
+
+def max_each_over_ranks(values: list[int]) -> list[int]:
+    """Element-wise largest of a list of integers over all ranks, on every rank (one collective)."""
     if not is_distributed():
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=_device())
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64, device=_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return [int(value) for value in tensor.tolist()]
 
 
 def any_rank(flag: bool) -> bool:

@@ -5,16 +5,19 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
 from perdure.data.batch import batch_length
 from perdure.data.loader import ResumableLoader
-from perdure.distributed.collectives import all_gather_object, max_over_ranks, sum_over_ranks
+from perdure.distributed.collectives import all_gather_object, max_each_over_ranks, max_over_ranks, sum_over_ranks
 from perdure.errors import PerdureError
 from perdure.runners.rng import RNGState
+
+_NO_BATCH = object()  # an iterator's end, as `next(iterator, _NO_BATCH)` says it
 
 
 class EvaluationStopped(Exception):
@@ -83,7 +86,8 @@ class EvaluationMixin:
         the same batch, see `_batches_checked_for_stop`): it raises `EvaluationStopped`, and the loop saves the step.
         """
         loader = self.dataloaders[split]
-        if self.evaluates_in_lockstep():
+        lockstep = self.evaluates_in_lockstep()
+        if lockstep and not loader.is_iterable:
             steps = self._batches_every_rank_reads(loader, steps)
         model = self.model
         was_training = model.training
@@ -94,7 +98,10 @@ class EvaluationMixin:
         batches = loader.iter_epoch(0, limit=limit)
         if loader.is_iterable and steps is not None:
             batches = itertools.islice(batches, steps)
-        checked = self._batches_checked_for_stop(loader, limit) if self._evaluation_stops_on_signal else 0
+        if loader.is_iterable and self.world_size > 1:
+            batches, checked = self._agreed_batches(batches, split, lockstep), 0
+        else:
+            checked = self._batches_checked_for_stop(loader, limit) if self._evaluation_stops_on_signal else 0
         try:
             with self.evaluation_context():
                 for index, batch in enumerate(batches):
@@ -112,25 +119,40 @@ class EvaluationMixin:
         return self.reduce_metrics(totals, count)
 
     def _batches_every_rank_reads(self, loader: ResumableLoader, steps: int | None) -> int | None:
-        """`steps` for `evaluate_steps` (all ranks together; per rank on an iterable split) such that every data rank
-        reads the same number of batches: the fewest any data rank holds of the bounded split."""
-        if loader.is_iterable:  # each data rank reads `steps` batches of its own stream
-            common = min(all_gather_object(len(loader)))
-            return common if steps is None else min(steps, common)
+        """`steps` for `evaluate_steps` on a map-style split (all ranks together) such that every data rank reads the
+        same number of batches: the fewest any data rank holds of the bounded split."""
         counts = all_gather_object(loader.batch_count(None if steps is None else steps * loader.batch_size))
         if len(set(counts)) == 1:
             return steps
         return min(counts) * loader.world_size  # the first `min` batches of each data rank's share
 
+    def _agreed_batches(self, batches: Iterable[Any], split: str, lockstep: bool) -> Iterator[Any]:
+        """An iterable split on several ranks, where how many batches each rank's stream holds is not known ahead:
+        before each batch the ranks agree (one collective) whether any of them was signalled to stop (in the loop's
+        evaluations), whether any still has a batch and whether any has run out. In lockstep, all stop once one ran out;
+        otherwise they go on while one has a batch, and a rank that ran out only takes part in the agreement."""
+        batches = iter(batches)
+        for index in itertools.count():
+            batch = next(batches, _NO_BATCH)
+            has_batch = batch is not _NO_BATCH
+            received = (self.preemption.received or 0) if self._evaluation_stops_on_signal else 0
+            signum, any_has, any_lacks = max_each_over_ranks([received, int(has_batch), int(not has_batch)])
+            if signum:
+                self.stop_signal = signum
+                raise EvaluationStopped(split, index)
+            if not any_has or (lockstep and any_lacks):
+                return
+            if has_batch:
+                yield batch
+
     def _batches_checked_for_stop(self, loader: ResumableLoader, limit: int | None) -> int:
         """Before how many of this evaluation's batches a preemption signal is looked for: all of them on one process;
         with several ranks, as many as every rank reads (each look agrees the signal over all ranks, so every rank
         must take it, and a stack may run each forward collectively). An uneven share's last batch is not looked
-        before, nor any batch of an iterable split (how many batches each rank's shard holds is not known ahead)."""
+        before (an iterable split's batches are agreed one by one instead, see `_agreed_batches`)."""
         if self.world_size == 1:
             return sys.maxsize
-        local = 0 if loader.is_iterable else loader.batch_count(limit)
-        return -max_over_ranks(-local)
+        return -max_over_ranks(-loader.batch_count(limit))
 
     def reduce_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
         """Turn weighted sums into means, after summing `totals` and `count` over every rank (each evaluates its own
@@ -143,7 +165,13 @@ class EvaluationMixin:
         """Concatenated `infer_step` outputs over a whole split, in order."""
         loader = self.dataloaders[split]
         if self.evaluates_in_lockstep():
-            counts = all_gather_object(len(loader) if loader.is_iterable else loader.batch_count())
+            counts = all_gather_object(_batches_known(loader))
+            if None in counts:
+                raise PerdureError(
+                    f"infer({split!r}): the split is a stream without a length, which this stack cannot check to be "
+                    "even across data ranks (it runs every forward on every data rank together); infer on one "
+                    "process from the exported model.pth"
+                )
             if len(set(counts)) > 1:
                 raise PerdureError(
                     f"infer({split!r}): the data ranks hold {counts} batches of the split, but this stack runs every "
@@ -233,3 +261,13 @@ class EvaluationMixin:
                 self.state.best_score,
                 self.state.best_step,
             )
+
+
+def _batches_known(loader: ResumableLoader) -> int | None:
+    """The batches this rank reads of a whole epoch of `loader`, or None for a stream without a length."""
+    if not loader.is_iterable:
+        return loader.batch_count()
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -126,3 +126,40 @@ def test_ddp_with_compile_killed_and_rerun_matches_the_uncompiled_run_bit_for_bi
     compare_with_reference(reference, tmp_path, tmp_path)
     state = torch.load(run_dir(tmp_path) / "checkpoints" / "ckpt-s000000000030" / "state.pth", weights_only=True)
     assert not [name for name in state["model"] if "_orig_mod" in name or name.startswith("module.")]
+
+
+def test_sigterm_to_one_rank_in_an_evaluation_of_a_stream_stops_every_rank_there(tmp_path):
+    """A validation stream without a length, shared unevenly (41 samples: 21 and 20, 6 and 5 batches of 4): no rank
+    knows ahead how many batches the others hold, so before each batch the ranks agree whether to go on and whether a
+    signal arrived. SIGTERM to rank 1 alone in the evaluation of step 5 stops both there (exit 143); the rerun
+    evaluates step 5 first and ends with the uninterrupted run's losses, weights and evaluations, every one of which
+    read all 41 samples."""
+    args = ("--steps", "10", "--ckpt.interval", "5", "--dataset_size", "48", "--dataloader.batch_size", "4")
+    stream = {"VAL_SIZE": "41", "VAL_ITERABLE": "1"}
+    reference = tmp_path / "reference"
+    assert_all_ok(run_ranks(2, "resumable.py", reference, *args, **stream, LOSS_LOG=reference / "losses-{rank}.jsonl",
+                            EVAL_LOG=tmp_path / "reference-eval-{rank}.jsonl"))  # fmt: skip
+    evaluated = [len((tmp_path / f"reference-eval-{rank}.jsonl").read_text().splitlines()) for rank in range(2)]
+    assert evaluated == [2 * 6, 2 * 5]
+
+    root, eval_log = tmp_path / "run", tmp_path / "eval-0.jsonl"
+    processes = start_ranks(
+        2, "resumable.py", root, *args, **stream, EVAL_SLEEP="0.3", EVAL_LOG=tmp_path / "eval-{rank}.jsonl"
+    )
+    deadline = time.monotonic() + 120
+    while not (eval_log.exists() and eval_log.read_text()):
+        assert time.monotonic() < deadline and all(process.poll() is None for process in processes)
+        time.sleep(0.01)
+    processes[1].send_signal(signal.SIGTERM)
+    outputs = [process.communicate(timeout=120)[0] for process in processes]
+    assert [process.returncode for process in processes] == [143, 143], outputs
+    stopped_at = {re.search(r"evaluation of step 5 stopped at batch (\d+)", output).group(1) for output in outputs}
+    assert len(stopped_at) == 1, outputs
+    assert verify_checkpoint(run_dir(root) / "checkpoints" / "ckpt-s000000000005")["reason"] == "preemption"
+
+    rerun = run_ranks(2, "resumable.py", root, *args, **stream, LOSS_LOG=tmp_path / "rerun-{rank}.jsonl")
+    assert_all_ok(rerun)
+    assert "evaluating step 5, which the last attempt was stopped in" in rerun[0].stdout
+    compare_with_reference(reference, root, tmp_path)
+    rows = [(run_dir(path) / "metrics.csv").read_text().splitlines() for path in (reference, root)]
+    assert [line for line in rows[0] if ",val," in line] == [line for line in rows[1] if ",val," in line]

@@ -140,3 +140,16 @@ def test_sigterm_to_one_rank_in_an_evaluation_stops_it_on_every_rank_and_the_rer
     for rank in range(2):
         resumed = read_losses(tmp_path / f"losses-{rank}.jsonl")
         assert resumed == read_losses(tmp_path / f"reference-{rank}.jsonl") and len(resumed) == 10
+
+
+def test_a_validation_stream_without_a_length_is_evaluated_in_lockstep(tmp_path):
+    """FSDP2 runs every forward on every data rank together, so each must evaluate as many batches; a stream's count is
+    not known ahead (asking for it raised TypeError at the first evaluation): the ranks agree batch by batch and stop
+    when one runs out. 41 samples on 2 ranks in batches of 4: 6 and 5 batches, 5 evaluated on each."""
+    args = (*STACK, "--steps", "2", "--ckpt.interval", "1", "--dataloader.batch_size", "4")
+    results = run_ranks(2, "resumable.py", tmp_path / "runs", *args, timeout=TIMEOUT, VAL_SIZE="41", VAL_ITERABLE="1",
+                        EVAL_LOG=tmp_path / "eval-{rank}.jsonl")  # fmt: skip
+    assert_all_ok(results)
+    assert "step 2/2 val: loss" in results[0].stdout
+    for rank in range(2):
+        assert len((tmp_path / f"eval-{rank}.jsonl").read_text().splitlines()) == 2 * 5

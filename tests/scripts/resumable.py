@@ -9,6 +9,7 @@ Environment knobs (tests only):
   EVAL_SLEEP    seconds to sleep per evaluation batch (a long evaluation a signal lands in); each evaluation batch
                 then appends {"step"} to EVAL_LOG when set ("{rank}" replaced as in LOSS_LOG)
   VAL_SIZE      samples of the validation split (default 40)
+  VAL_ITERABLE  "1": the validation split is a stream without a length, rank r of W reading samples r, r + W, ...
   EVAL_DRAW     "1": each evaluation batch draws from torch's generator (its `draw` metric), as a random augmentation
                 would
   SLOW_WHILE    a path: STEP_SLEEP applies only while it exists (a test holds a run back while it stages faults)
@@ -129,6 +130,17 @@ class Stream(StatelessStream):
         self.position, self.passes = state["position"], state["passes"]
 
 
+class OrderedStream(IterableDataset):
+    """`Synthetic` as a stream without a length: rank r of W reads samples r, r + W, ... in order, every pass alike."""
+
+    def __init__(self, size: int, seed: int, rank: int, world_size: int):
+        self.data = Synthetic(size, seed)
+        self.shard = range(rank, size, world_size)
+
+    def __iter__(self):
+        return (self.data[index] for index in self.shard)
+
+
 class Unsaveable:
     """A user object whose state holds a function defined in a method: torch.save cannot pickle it."""
 
@@ -153,7 +165,11 @@ class ResumableRunner(Runner):
         if os.environ.get("ITERABLE"):
             stream = Stream if os.environ["ITERABLE"] == "stateful" else StatelessStream
             self.datasets["train"] = stream(config.dataset_size, 1, self.rank, self.world_size)
-        self.datasets["val"] = Synthetic(int(os.environ.get("VAL_SIZE", "40")), seed=2)
+        val_size = int(os.environ.get("VAL_SIZE", "40"))
+        self.datasets["val"] = Synthetic(val_size, seed=2)
+        if os.environ.get("VAL_ITERABLE") == "1":
+            shard, shards = self.data_shard()
+            self.datasets["val"] = OrderedStream(val_size, 2, shard, shards)
         self.loss_log = _per_process(os.environ.get("LOSS_LOG", ""), self.rank, config) or None
         self.step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
         self.slow_while = os.environ.get("SLOW_WHILE")
