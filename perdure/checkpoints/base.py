@@ -335,8 +335,8 @@ class CheckpointManager(ABC):
 
     def point_best(self, name: str) -> None:
         """Point `best` at `name`, a checkpoint committed by an earlier attempt whose evaluation only this attempt
-        finished (see `EvaluationMixin._evaluate_pending`). Rank 0 writes, when no save is in flight (the attempt has not
-        saved yet); a pointer that cannot be written is reported and `best` keeps its checkpoint."""
+        finished (see `EvaluationMixin._evaluate_pending`). Rank 0 writes, when no save is in flight (the attempt has
+        not saved yet); a pointer that cannot be written is reported and `best` keeps its checkpoint."""
         if self.rank != 0 or not self.policy.enabled or not (self.root / name).is_dir():
             return
         try:
