@@ -47,6 +47,16 @@ def died(group) -> bool:
     return True
 
 
+def in_a_quorum(root, group):
+    """Wait until `group`, replica 0, has joined a quorum. A group launched before that may start first, train its
+    steps alone and die before replica 0 ever joins it, so the two never train as a pair (seen on a loaded machine)."""
+
+    def joined() -> bool:
+        return any(root.glob("*/*/sidecar.json")) and bool(quorum_sizes(root, 0))
+
+    wait_until(joined, "group 0 in a quorum", [group])
+
+
 def held_back(tmp_path):
     """(workspace root, the hold file, the environment that slows a group down while the hold file exists)."""
     hold = tmp_path / "hold"
@@ -60,6 +70,7 @@ def test_a_group_dies_twice_the_other_keeps_committing_and_the_restarts_heal(tmp
     root, hold, slow = held_back(tmp_path)
     final = str(tmp_path / "final{replica}.pt")
     group0 = launch(root, lighthouse, 0, *ARGS, FINAL_STATE=final, **slow)
+    in_a_quorum(root, group0)
     # Group 1 dies at the 10th step it trains (SIGKILL in its forward pass; it may have healed past step 10 first).
     first = launch(root, lighthouse, 1, *ARGS, name="a", KILL_AFTER_STEPS="10", **slow)
     assert first.wait() == [-signal.SIGKILL], first.output()[-3000:]
@@ -110,6 +121,7 @@ def two_rank_groups_killed_and_healed(tmp_path, lighthouse, *args, kill_after: i
     root, hold, slow = held_back(tmp_path)
     final = str(tmp_path / "final{replica}-{rank}.pt")
     group0 = launch(root, lighthouse, 0, *args, ranks=2, FINAL_STATE=final, **slow)
+    in_a_quorum(root, group0)
     first = launch(root, lighthouse, 1, *args, ranks=2, name="a", KILL_AFTER_STEPS=str(kill_after), **slow)
     assert died(first), first.output()[-3000:]
     wait_until(lambda: alone_after_a_pair(root, 0), "group 0 alone", [group0])
