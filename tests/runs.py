@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,26 @@ PINNED_CODE = ("--workspace.code_id", "tests")
 # may say otherwise). On a CPU nothing is added.
 GPU_DETERMINISM = ("--deterministic", "true") if torch.cuda.is_available() else ()
 LAUNCH_DEFAULTS = (*PINNED_CODE, *GPU_DETERMINISM)
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A directory that `build` fills once per test session, whichever pytest-xdist worker asks for it first.
+
+    A module-scoped fixture runs once per worker that runs a test of the module, and the two workers often both do:
+    a reference run or a killed run built this way is built once and read by both (it must not be written to after).
+    A build that failed part-way is built again by the next test that asks."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # the session's directory, above each worker's own
+    target = shared / f"built-{name}"
+    with open(shared / f"built-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not (target / ".built").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            build(target)
+            (target / ".built").touch()
+    return target
 
 
 def environment(**extra: str) -> dict[str, str]:

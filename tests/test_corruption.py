@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import assert_ok, assert_same_weights, final_weights, read_losses, run, run_dir
+from tests.runs import assert_ok, assert_same_weights, built_once, final_weights, read_losses, run, run_dir
 
 ARGS = ("--steps", "40", "--ckpt.interval", "10")
 STEP = "ckpt-s{:012d}"
@@ -60,11 +60,13 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("corruption")
-    assert_ok(run("resumable.py", base / "reference", *ARGS, LOSS_LOG=base / "reference.jsonl"))
-    killed = run("resumable.py", base / "killed", *ARGS, KILL_AT_STEP="35")
-    assert killed.returncode == -9, killed.stdout + killed.stderr
-    return base
+
+    def build(base):
+        assert_ok(run("resumable.py", base / "reference", *ARGS, LOSS_LOG=base / "reference.jsonl"))
+        killed = run("resumable.py", base / "killed", *ARGS, KILL_AT_STEP="35")
+        assert killed.returncode == -9, killed.stdout + killed.stderr
+
+    return built_once(tmp_path_factory, "corruption-runs", build)  # read only: each test copies the killed run
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from perdure.loggers.metrics_csv import read_metrics_csv
-from tests.runs import GPU_DETERMINISM, skip_unless_ranks_fit
+from tests.runs import GPU_DETERMINISM, built_once, skip_unless_ranks_fit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -135,8 +135,9 @@ def losses(run: Path) -> dict[tuple[int, str], float]:
 
 @pytest.fixture(scope="module")
 def gpt_reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpt-reference")
-    run("nanogpt_char.py", "--workspace.root", str(root), *GPT_ARGS)
+    root = built_once(
+        tmp_path_factory, "gpt-reference", lambda root: run("nanogpt_char.py", "--workspace.root", str(root), *GPT_ARGS)
+    )
     return one_run_dir(root)
 
 

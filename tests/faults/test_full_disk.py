@@ -13,7 +13,7 @@ import pytest
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
 from perdure.checkpoints.resolve import committed_checkpoints
 from tests.disks import mount_or_skip, unmount
-from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir
+from tests.runs import assert_ok, assert_same_weights, built_once, final_weights, run, run_dir
 
 ARGS = ("--steps", "40", "--ckpt.interval", "10")
 # Each save writes state.pth and rank00000.pth through the patched writer: call 3 is the second save's state.pth;
@@ -33,9 +33,7 @@ def assert_committed_intact(root: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
-    assert_ok(run("resumable.py", root, *ARGS))
-    return root
+    return built_once(tmp_path_factory, "full-disk-reference", lambda root: assert_ok(run("resumable.py", root, *ARGS)))
 
 
 @pytest.mark.parametrize("mode", ["disabled", "thread"])

@@ -18,6 +18,7 @@ from tests.runs import (
     SCRIPTS,
     assert_ok,
     assert_same_weights,
+    built_once,
     environment,
     final_weights,
     read_losses,
@@ -61,13 +62,15 @@ def kill_at_random(root: Path, args: tuple[str, ...], delay: float, loss_log: Pa
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("reference")
-    assert_ok(run("resumable.py", root, *ARGS, LOSS_LOG=root / "losses.jsonl"))
-    return root
+    return built_once(
+        tmp_path_factory,
+        "kills-reference",
+        lambda root: assert_ok(run("resumable.py", root, *ARGS, LOSS_LOG=root / "losses.jsonl")),
+    )
 
 
 @pytest.mark.parametrize(
-    ("mode", "kills", "longest"), [("disabled", 20, 0.3), ("thread", 20, 0.3), ("process", 10, 1.2)]
+    ("mode", "kills", "longest"), [("disabled", 12, 0.3), ("thread", 12, 0.3), ("process", 6, 1.2)]
 )
 def test_random_kills_never_corrupt_and_resume_bit_exact(reference, tmp_path, mode, kills, longest):
     args = (*ARGS, "--ckpt.async_mode", mode)

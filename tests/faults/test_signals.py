@@ -19,6 +19,7 @@ from tests.runs import (
     SCRIPTS,
     assert_ok,
     assert_same_weights,
+    built_once,
     environment,
     final_weights,
     read_losses,
@@ -54,9 +55,11 @@ def wait_for_losses(loss_log, count, process, timeout=60):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
-    assert_ok(run("resumable.py", root, *ARGS, LOSS_LOG=root / "losses.jsonl"))
-    return root
+    return built_once(
+        tmp_path_factory,
+        "signals-reference",
+        lambda root: assert_ok(run("resumable.py", root, *ARGS, LOSS_LOG=root / "losses.jsonl")),
+    )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])

@@ -19,6 +19,7 @@ from tests.disks import fill, mount_or_skip, unmount
 from tests.runs import (
     assert_ok,
     assert_same_weights,
+    built_once,
     final_weights,
     run,
     run_dir,
@@ -44,9 +45,7 @@ def usage(path: Path) -> int:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
-    assert_ok(run("resumable.py", root, *ARGS))
-    return root
+    return built_once(tmp_path_factory, "tmpfs-reference", lambda root: assert_ok(run("resumable.py", root, *ARGS)))
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 from perdure.checkpoints.commit import verify_checkpoint
 from perdure.checkpoints.resolve import committed_checkpoints
-from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir
+from tests.runs import assert_ok, assert_same_weights, built_once, final_weights, run, run_dir
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,9 +22,7 @@ SLOW = "0.1"  # the writer process needs ~2 s to start: saves land after it is u
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("reference")
-    assert_ok(run("resumable.py", root, *ARGS))
-    return root
+    return built_once(tmp_path_factory, "writer-reference", lambda root: assert_ok(run("resumable.py", root, *ARGS)))
 
 
 def test_a_writer_killed_while_writing_fails_that_save_and_the_next_starts_another(reference, tmp_path):

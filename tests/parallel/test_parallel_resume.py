@@ -13,7 +13,15 @@ import signal
 import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
-from tests.runs import assert_all_ok, assert_same_weights, final_weights, read_losses, run_dir, run_ranks
+from tests.runs import (
+    assert_all_ok,
+    assert_same_weights,
+    built_once,
+    final_weights,
+    read_losses,
+    run_dir,
+    run_ranks,
+)
 
 STEPS = ("--stack", "parallel", "--steps", "10", "--dist.timeout", "60")
 TRAIN_SAMPLES = 64  # tests/scripts/parallel_gpt.py: 64 training windows
@@ -57,27 +65,23 @@ EXPORTS = {"fsdp2-tp": ("model.pth", "model-ema.pth"), "pipeline-3-stages": ("mo
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """Per topology: an uninterrupted reference, and a run killed at step 7 (its run dir, copied before any rerun)."""
-    runs = {}
 
-    def get(name):
-        if name not in runs:
-            ranks, axes, options = TOPOLOGIES[name]
-            base = tmp_path_factory.mktemp(name)
-            reference = run_ranks(ranks, "parallel_gpt.py", base / "reference", *STEPS, *axes, *options,
-                                  timeout=TIMEOUT, LOSS_LOG=base / "reference-{rank}.jsonl")  # fmt: skip
-            assert_all_ok(reference)
-            first = run_ranks(ranks, "parallel_gpt.py", base / "killed", *STEPS, *axes, *options, timeout=TIMEOUT,
-                              KILL_AT_STEP="7", SAMPLE_LOG=base / "samples-{rank}.jsonl")  # fmt: skip
-            assert [result.returncode for result in first] == [-signal.SIGKILL] * ranks, [r.stdout for r in first]
-            checkpoints = run_dir(base / "killed") / "checkpoints"
-            assert read_pointer(checkpoints, "latest") == "ckpt-s000000000005"
-            manifest = verify_checkpoint(checkpoints / "ckpt-s000000000005")
-            assert manifest["backend"] == "dcp" and manifest["world_size"] == ranks
-            assert sum(size > 1 for size in manifest["topology"].values()) >= (1 if ranks > 1 else 0)
-            runs[name] = base
-        return runs[name]
+    def build(name, base):
+        ranks, axes, options = TOPOLOGIES[name]
+        reference = run_ranks(ranks, "parallel_gpt.py", base / "reference", *STEPS, *axes, *options,
+                              timeout=TIMEOUT, LOSS_LOG=base / "reference-{rank}.jsonl")  # fmt: skip
+        assert_all_ok(reference)
+        first = run_ranks(ranks, "parallel_gpt.py", base / "killed", *STEPS, *axes, *options, timeout=TIMEOUT,
+                          KILL_AT_STEP="7", SAMPLE_LOG=base / "samples-{rank}.jsonl")  # fmt: skip
+        assert [result.returncode for result in first] == [-signal.SIGKILL] * ranks, [r.stdout for r in first]
+        checkpoints = run_dir(base / "killed") / "checkpoints"
+        assert read_pointer(checkpoints, "latest") == "ckpt-s000000000005"
+        manifest = verify_checkpoint(checkpoints / "ckpt-s000000000005")
+        assert manifest["backend"] == "dcp" and manifest["world_size"] == ranks
+        assert sum(size > 1 for size in manifest["topology"].values()) >= (1 if ranks > 1 else 0)
 
-    return get
+    # Built once for both test workers (a 4-rank topology's two runs take 40 s): read only, each test copies it.
+    return lambda name: built_once(tmp_path_factory, f"parallel-{name}", lambda base: build(name, base))
 
 
 def copy_run(base, name, tmp_path):

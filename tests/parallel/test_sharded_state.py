@@ -29,6 +29,7 @@ from perdure.runners.parallelize import apply_fsdp, find_blocks, mixed_precision
 from perdure.runners.pipeline import Pipeline, split_model, stage_indices
 from perdure.runners.rebind import group_names, rebind_scheduler, rebuild_optimizer
 from tests.distributed.gloo_ranks import run_on_gloo_ranks
+from tests.runs import built_once
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, TokenLoss  # noqa: E402
@@ -164,9 +165,14 @@ def same(a: dict, b: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("dcp") / "checkpoint")
-    reports = run_on_gloo_ranks(4, train_and_save, path)
-    return path, reports
+    """The 4 ranks' checkpoint and reports, made once for both test workers (20 s of 4 ranks on 2 cores)."""
+
+    def build(directory):
+        reports = run_on_gloo_ranks(4, train_and_save, str(directory / "checkpoint"))
+        (directory / "reports").write_bytes(pack(reports))
+
+    directory = built_once(tmp_path_factory, "sharded-state", build)
+    return str(directory / "checkpoint"), unpack((directory / "reports").read_bytes())
 
 
 def test_mesh_follows_the_topology_and_the_norm_is_the_whole_models(saved):
