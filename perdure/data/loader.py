@@ -13,6 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from perdure.data.batch import batch_length
 from perdure.data.iterable import as_dataset, is_stateful
+from perdure.data.sample_seeds import SeededBatches
 from perdure.data.sampler import PERMUTATIONS, ResumableSampler
 from perdure.errors import CheckpointError
 from perdure.safe_io import safe_name
@@ -30,7 +31,9 @@ class ResumableLoader:
     `num_workers=0`). The loader's generator, which seeds the workers, is re-seeded from (seed, epoch) before each
     epoch for the same reason. Iterable datasets with state keep their position in the StatefulDataLoader's own state
     (which holds the dataset's `state_dict`); one without state restarts (`perdure.data.iterable`). A torchdata.nodes
-    pipeline is read as a `NodeDataset`.
+    pipeline is read as a `NodeDataset`. With worker processes, a map-style dataset is read through `SeededBatches`:
+    a worker seeds its generators before each batch from the batch's position, so random transforms draw the same
+    after a resume (`perdure.data.sample_seeds`).
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class ResumableLoader:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
         self.sampler: ResumableSampler | None = None
+        read = dataset
         if not isinstance(dataset, IterableDataset):
             self.sampler = ResumableSampler(
                 len(dataset),  # type: ignore[arg-type]
@@ -65,9 +69,12 @@ class ResumableLoader:
                 world_size=world_size,
                 drop_last=drop_last,
                 pad=pad,
+                sample_seeds=num_workers > 0,
             )
+            if num_workers > 0:
+                read = SeededBatches(dataset)
         self.loader = StatefulDataLoader(
-            dataset,
+            read,
             batch_size=batch_size,
             sampler=self.sampler,
             num_workers=num_workers,

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from perdure.data.sample_seeds import epoch_seed_base
+
 # Up to this many samples an epoch's order is `torch.randperm` (kept as one int32 tensor, 16 MiB at the limit);
 # above it, a keyed bijection computed for the positions being read (`HashedPermutation`), so that an epoch start or
 # a resume at any size costs neither the time nor the memory of a full permutation.
@@ -32,6 +34,10 @@ class ResumableSampler(Sampler[int]):
     `seed + epoch` (the order perdure has always used, so older checkpoints resume in the same order), held as one
     tensor per epoch; above, `permutation="hashed"` computes the order of the positions being read, a chunk at a time.
     Either way a resume at any offset only slices, and iterating creates Python ints a chunk at a time.
+
+    With `sample_seeds` it yields `(seed, index)` pairs instead of indices: the seed of the sample at global position p
+    is `epoch_seed_base(seed, epoch) + p`; a loader's workers seed their generators from a batch's first one
+    (`perdure.data.sample_seeds`).
     """
 
     def __init__(
@@ -45,6 +51,7 @@ class ResumableSampler(Sampler[int]):
         drop_last: bool = False,
         pad: bool = True,
         permutation: str | None = None,
+        sample_seeds: bool = False,
     ) -> None:
         if dataset_len <= 0:
             raise ValueError(f"ResumableSampler needs a non-empty dataset, got length {dataset_len}")
@@ -57,6 +64,7 @@ class ResumableSampler(Sampler[int]):
         self.world_size = world_size
         self.drop_last = drop_last
         self.pad = pad
+        self.sample_seeds = sample_seeds
         self.epoch = 0
         self.offset = 0
         self.limit: int | None = None
@@ -104,11 +112,16 @@ class ResumableSampler(Sampler[int]):
             self._order = ((self.seed, self.epoch), torch.randperm(self.dataset_len, generator=generator, dtype=dtype))
         return self._order[1][positions].long()
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
         start, stop, step = self.offset + self.rank, self.total_size, self.world_size
+        base = epoch_seed_base(self.seed, self.epoch) if self.sample_seeds else None
         for low in range(start, stop, step * CHUNK):
             positions = torch.arange(low, min(low + step * CHUNK, stop), step, dtype=torch.int64)
-            yield from self.indices(positions).tolist()
+            indices = self.indices(positions).tolist()
+            if base is None:
+                yield from indices
+            else:
+                yield from zip((positions + base).tolist(), indices)
 
     def __len__(self) -> int:
         return self.rank_samples(self.offset, self.limit)

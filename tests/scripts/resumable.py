@@ -37,6 +37,8 @@ Environment knobs (tests only):
   RESTORED_STATE  stack=deepspeed: the same, right after the restore (before training), with the optimizer's steps
   DS_FP16_SUPPORTED  stack=deepspeed: "1" or "0" overrides whether DeepSpeed's accelerator reports fp16 support (a CPU
                 without oneDNN fp16 kernels has none; torch's own fp16 CPU kernels still compute a tiny model's steps)
+  AUGMENT       "1": each training sample gets noise drawn from torch's, Python's and numpy's global generators, as a
+                random transform does (in the dataloader's workers where it has them)
   ITERABLE      "stateful": the train set is a stream (an IterableDataset, reshuffled each pass, each rank reading its
                 own shard) that saves its position; "stateless": the same stream without state_dict
 """
@@ -46,11 +48,13 @@ import errno
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import signal
 import time
 from pathlib import Path
 
+import numpy
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
@@ -89,7 +93,8 @@ def make_config(root, **settings) -> Config:
 class Synthetic(Dataset):
     """Deterministic samples: a fixed random regression-to-class problem."""
 
-    def __init__(self, size: int, seed: int):
+    def __init__(self, size: int, seed: int, augment: bool = False):
+        self.augment = augment
         generator = torch.Generator().manual_seed(seed)
         self.inputs = torch.randn(size, 16, generator=generator)
         self.targets = (self.inputs[:, :8].sum(1) > self.inputs[:, 8:].sum(1)).long()
@@ -98,9 +103,13 @@ class Synthetic(Dataset):
         return len(self.inputs)
 
     def __getitem__(self, index):
+        inputs = self.inputs[index]
+        if self.augment:
+            noise = torch.rand(16) + random.random() + float(numpy.random.rand())
+            inputs = inputs + 0.1 * noise
         if os.environ.get("SAMPLE_LOG"):
-            return {"input": self.inputs[index], "target": self.targets[index], "index": index}
-        return self.inputs[index], self.targets[index]
+            return {"input": inputs, "target": self.targets[index], "index": index}
+        return inputs, self.targets[index]
 
 
 class StatelessStream(IterableDataset):
@@ -161,7 +170,7 @@ class ResumableRunner(Runner):
             nn.Linear(16, config.width), nn.ReLU(), *hidden, nn.Dropout(config.dropout), nn.Linear(config.width, 2)
         )
         self.criterion = nn.CrossEntropyLoss()
-        self.datasets["train"] = Synthetic(config.dataset_size, seed=1)
+        self.datasets["train"] = Synthetic(config.dataset_size, seed=1, augment=os.environ.get("AUGMENT") == "1")
         if os.environ.get("ITERABLE"):
             stream = Stream if os.environ["ITERABLE"] == "stateful" else StatelessStream
             self.datasets["train"] = stream(config.dataset_size, 1, self.rank, self.world_size)
