@@ -75,6 +75,24 @@ def test_budget_reached_returns_and_larger_budget_continues(tmp_path, caplog):
     assert (run_dir(tmp_path) / "checkpoints" / "latest").read_text().strip() == "ckpt-s000000000016"
 
 
+@pytest.mark.parametrize(
+    ("steps", "effect"), [(6, "Epoch 0 goes on from its sample 48"), (26, "Epoch 1 goes on from its sample 100")]
+)
+def test_a_train_split_that_changed_length_since_the_checkpoint_is_named_at_the_resume(
+    tmp_path, monkeypatch, capsys, steps, effect
+):
+    train(tmp_path, steps=steps)  # 100 samples, 13 batches of 8 an epoch: step 6 is mid-epoch, 26 two whole epochs
+    monkeypatch.setenv("TRAIN_EXTRA", "20")  # files added to the dataset's folder before the requeue
+    capsys.readouterr()
+    longer = train(tmp_path, steps=32)
+    assert longer.global_step == 32, "training goes on"
+    (warning,) = [line for line in capsys.readouterr().out.splitlines() if "DATASET CHANGE" in line]
+    assert f"ckpt-s{steps:012d} was written when the train split had 100 samples; it has 120 now" in warning
+    assert effect in warning and "give the train split back the 100 samples" in warning
+    train(tmp_path, steps=36)  # the checkpoints since were written with 120: nothing changed for them
+    assert "DATASET CHANGE" not in capsys.readouterr().out
+
+
 def test_explicit_checkpoint_with_another_config_is_refused_with_the_diff(tmp_path):
     source = train(tmp_path / "a")
     checkpoint = run_dir(tmp_path / "a") / "checkpoints" / "ckpt-s000000000012"

@@ -99,6 +99,18 @@ def test_a_position_names_its_permutation_and_an_old_one_means_randperm():
         loader.restore({"epoch": 0, "offset": 8, "world_size": 1, "permutation": "x" * 500})
 
 
+def test_a_position_records_the_dataset_length_and_a_restore_tells_a_change():
+    loader = ResumableLoader(range(30), batch_size=4, shuffle=True)
+    assert loader.position(0, 8)["samples"] == 30
+    loader.restore({"epoch": 0, "offset": 8, "world_size": 1})  # written before the length was recorded
+    assert loader.length_change() is None
+    loader.restore(ResumableLoader(range(24), batch_size=4, shuffle=True).position(0, 8))
+    assert loader.length_change() == (24, 30)
+    for bad in (True, -3, 2.5, "30"):  # from someone else's checkpoint
+        with pytest.raises(CheckpointError, match="dataset length"):
+            loader.restore({"epoch": 0, "offset": 8, "world_size": 1, "samples": bad})
+
+
 def test_an_evaluation_limit_bounds_the_same_samples_on_any_number_of_ranks():
     def read(world_size):
         shares = []

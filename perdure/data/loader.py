@@ -84,6 +84,7 @@ class ResumableLoader:
             collate_fn=collate_fn,
         )
         self._iterable_state: dict[str, Any] | None = None
+        self.restored_samples: int | None = None  # the map-style dataset's length when the restored position was saved
 
     @property
     def is_iterable(self) -> bool:
@@ -118,13 +119,15 @@ class ResumableLoader:
         state: dict[str, Any] = {"epoch": epoch, "offset": samples_done, "world_size": self.world_size}
         if self.sampler is not None:
             state["permutation"] = self.sampler.permutation
+            state["samples"] = self.sampler.dataset_len
         elif is_stateful(self.dataset):
             state["loader"] = self.loader.state_dict()
         return state
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take back a position saved by `position` (the runner passes epoch and batches itself). A position without
-        a permutation was saved before perdure had more than one: its order was `torch.randperm`'s."""
+        a permutation was saved before perdure had more than one: its order was `torch.randperm`'s. One without the
+        dataset's length was saved before perdure recorded it (`restored_samples` stays None)."""
         if self.sampler is not None:
             permutation = state.get("permutation", "randperm")
             if permutation not in PERMUTATIONS:
@@ -133,9 +136,22 @@ class ResumableLoader:
                     f"the data position names permutation {safe_name(permutation)}, not one of {wanted}: the "
                     "checkpoint is not one perdure wrote"
                 )
+            samples = state.get("samples")
+            if samples is not None and (type(samples) is not int or samples <= 0):
+                raise CheckpointError(
+                    f"the data position's dataset length {safe_name(samples)} is not a positive integer: the "
+                    "checkpoint is not one perdure wrote"
+                )
             self.sampler.permutation = permutation
+            self.restored_samples = samples
         elif is_stateful(self.dataset) and "loader" in state:
             self._iterable_state = state["loader"]
+
+    def length_change(self) -> tuple[int, int] | None:
+        """(the dataset's length when the restored position was saved, its length now) if they differ, else None."""
+        if self.sampler is None or self.restored_samples in (None, self.sampler.dataset_len):
+            return None
+        return self.restored_samples, self.sampler.dataset_len
 
     def __len__(self) -> int:
         """Batches of the epoch the last `iter_epoch` began (what is left of it from where it began)."""

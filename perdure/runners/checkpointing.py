@@ -173,6 +173,7 @@ class CheckpointingMixin:
                 )
             self._saved_position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
             self._note_topology(source.info)
+            self._note_dataset_change(source.info)
         elif source.kind == "pretrained":
             load_matching_weights(self.unwrap_model(), self._pretrained_weights, source.path)
             del self._pretrained_weights
@@ -198,6 +199,29 @@ class CheckpointingMixin:
             per_rank * self.world_size,
             self.config.loader_options("train")["batch_size"],
             self.config.accum_steps,
+        )
+
+    def _note_dataset_change(self, info: CheckpointInfo) -> None:
+        """A train split whose length changed since the checkpoint (files added to a folder between attempts): an
+        epoch's order is a function of the length too, so the resume cannot be exact. Say so, and what it does to the
+        epoch the checkpoint interrupted; training goes on, since the new data may be what the user wants."""
+        change = self.dataloaders["train"].length_change()
+        if change is None or not self.is_main_process:
+            return
+        was, now = change
+        self.logger.warning(
+            "DATASET CHANGE: %s was written when the train split had %d samples; it has %d now. Epoch %d goes on "
+            "from its sample %d in an order of %d samples, not the order of %d it was begun in, so it may read some "
+            "samples twice and others not at all, and the resume is not bit-exact. To continue exactly, give the "
+            "train split back the %d samples it had, in the same order.",
+            info.name,
+            was,
+            now,
+            self.state.epoch,
+            self.state.samples_in_epoch,
+            now,
+            was,
+            was,
         )
 
     def _check_same_config(self, info: CheckpointInfo) -> None:

@@ -39,6 +39,7 @@ Environment knobs (tests only):
                 without oneDNN fp16 kernels has none; torch's own fp16 CPU kernels still compute a tiny model's steps)
   AUGMENT       "1": each training sample gets noise drawn from torch's, Python's and numpy's global generators, as a
                 random transform does (in the dataloader's workers where it has them)
+  TRAIN_EXTRA   samples the train split has beyond `dataset_size` (outside the config: data added between attempts)
   ITERABLE      "stateful": the train set is a stream (an IterableDataset, reshuffled each pass, each rank reading its
                 own shard) that saves its position; "stateless": the same stream without state_dict
 """
@@ -170,7 +171,8 @@ class ResumableRunner(Runner):
             nn.Linear(16, config.width), nn.ReLU(), *hidden, nn.Dropout(config.dropout), nn.Linear(config.width, 2)
         )
         self.criterion = nn.CrossEntropyLoss()
-        self.datasets["train"] = Synthetic(config.dataset_size, seed=1, augment=os.environ.get("AUGMENT") == "1")
+        train_size = config.dataset_size + int(os.environ.get("TRAIN_EXTRA", "0"))
+        self.datasets["train"] = Synthetic(train_size, seed=1, augment=os.environ.get("AUGMENT") == "1")
         if os.environ.get("ITERABLE"):
             stream = Stream if os.environ["ITERABLE"] == "stateful" else StatelessStream
             self.datasets["train"] = stream(config.dataset_size, 1, self.rank, self.world_size)
