@@ -53,6 +53,7 @@ SCORE_MODES = ("min", "max")
 EXPORT_DTYPES = (None, "fp32", "bf16", "fp16")
 RESUME_VALUES = ("auto", True, False)
 ASYNC_MODES = ("disabled", "thread", "process")
+DEVICE_STAGING = ("auto", "off")
 ON_ERROR = ("warn", "raise")
 WANDB_MODES = ("online", "offline", "disabled")
 PROGRESS_MODES = ("auto", "bar", "lines")
@@ -73,6 +74,7 @@ _CHOICES: dict[str, tuple] = {
     "sched.name": SCHEDULERS,
     "score.mode": SCORE_MODES,
     "ckpt.async_mode": ASYNC_MODES,
+    "ckpt.device_staging": DEVICE_STAGING,
     "ckpt.on_error": ON_ERROR,
     "wandb.mode": WANDB_MODES,
     "log.progress": PROGRESS_MODES,
@@ -143,6 +145,7 @@ class RunnerConfig(chanfig.Config):
         self.ckpt.save_best = True  # a new best score between two interval saves is saved too
         self.ckpt.export_dtype = None  # cast model.pth to fp32, bf16 or fp16 (checkpoints keep full precision)
         self.ckpt.async_mode = "disabled"  # disabled, thread or process: write checkpoints in the background
+        self.ckpt.device_staging = "auto"  # async saves on a GPU: auto copies the state on it first if it has room; off
         self.ckpt.on_error = "warn"  # a failed periodic save: warn and train on, or raise
         self.ckpt.export_format = ["pth"]  # what the final export writes: pth and / or safetensors
         self.optim.name = "adamw"  # the default optimizer: adamw, adam, sgd (unless you assign self.optimizer)

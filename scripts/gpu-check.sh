@@ -3,17 +3,18 @@
 # there, with the wheels of the packages its image lacks in .whl/ (torchdata, chanfig, lazy-imports, gitpython, gitdb,
 # smmap: see gpu.md for the download line). Writes its logs and the benchmark's results under $OUT (default ./gpu-out).
 #
-#   bash scripts/gpu-check.sh [tests|bench|stall|profile|suite]...     # default: tests stall suite
+#   bash scripts/gpu-check.sh [tests|bench|stall|profile|suite|checks]...     # default: stall checks
 #
-#   tests   tests/cuda (kill -9 + rerun bit-exact on the GPU, pinned staging)
+#   tests   tests/cuda (kill -9 + rerun bit-exact on the GPU, pinned staging, staging on the device first)
 #   bench   benchmarks/gpu.py (runner vs hand loop, async vs sync stall of a 435M GPT)
-#   stall   the stall part alone, with saves 90 steps apart
+#   stall   the stall part alone, with saves 90 steps apart, the staging on the device first and without it (-off)
 #   profile the same, with torch.profiler traces (chrome format) of the steps around the second save in $OUT/traces
 #   suite   the single-process tests that resume, with CUDA visible (DDP tests run on gloo with CUDA hidden elsewhere;
 #           the random-kill tests, 60 processes, are left to tests/cuda's kill-and-resume cases)
+#   checks  tests and suite at once (16 cores: 4 + 10 pytest workers), after the stall, which wants the machine alone
 #
-# One `run` may take 600 s and a session has 15 minutes of device time, start included: `tests stall suite` fits one
-# call (each step's timeout: 150 + 260 + 180 s); `profile` wants a call of its own.
+# One `run` may take 600 s and a session has 15 minutes of device time, start included: `stall checks` fits one
+# call (each step's timeout: 330 + 240 s); `profile` wants a call of its own.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -27,18 +28,24 @@ nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
 
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests stall suite)
+[ ${#steps[@]} -gt 0 ] || steps=(stall checks)
+SUITE=(tests/test_resume.py tests/faults/test_kills.py tests/faults/test_signals.py tests/test_pending_losses.py
+       tests/test_staging.py tests/test_device_path.py tests/test_determinism.py tests/test_examples.py
+       tests/test_evaluation.py tests/test_compile.py tests/test_inspection.py tests/test_requeue.py
+       tests/test_corruption.py tests/test_sample_seeds.py)
+summary() { grep -E "FAILED|ERROR|passed|failed" "$1" | tail -40; }
 for step in "${steps[@]}"; do
   case "$step" in
     tests)
-      timeout 150 python3 -m pytest -v -p no:cacheprovider -n 5 tests/cuda 2>&1 | tee "$OUT/cuda-tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
+      timeout 150 python3 -m pytest -v -p no:cacheprovider -n 5 tests/cuda > "$OUT/cuda-tests.log" 2>&1
+      summary "$OUT/cuda-tests.log"
       ;;
     bench)
       timeout 330 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu-bench.log"
       cp bench-results/gpu.json "$OUT/" 2>/dev/null
       ;;
     stall)  # saves far enough apart for the disk to keep up (a sync save of the 435M GPT took 6.5 s on an H100)
-      timeout 260 python3 benchmarks/gpu.py --skip-steps --stall-steps 271 --interval 90 2>&1 | tee "$OUT/gpu-stall.log"
+      timeout 330 python3 benchmarks/gpu.py --skip-steps --stall-steps 271 --interval 90 2>&1 | tee "$OUT/gpu-stall.log"
       cp bench-results/gpu.json "$OUT/gpu-stall.json" 2>/dev/null
       ;;
     profile)  # the stall runs again, with torch.profiler traces of the steps around the second save in $OUT/traces
@@ -47,11 +54,17 @@ for step in "${steps[@]}"; do
       gzip -f "$OUT"/traces/*.json 2>/dev/null
       ;;
     suite)
-      timeout 180 python3 -m pytest -v -p no:cacheprovider -n 12 -k "not wandb and not random_kills" \
-        tests/test_resume.py tests/faults/test_kills.py tests/test_pending_losses.py tests/test_staging.py \
-        tests/test_device_path.py tests/test_determinism.py tests/test_examples.py tests/test_evaluation.py \
-        tests/test_compile.py tests/test_inspection.py tests/test_requeue.py tests/test_corruption.py \
-        2>&1 | tee "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
+      timeout 180 python3 -m pytest -v -p no:cacheprovider -n 12 -k "not wandb and not random_kills" "${SUITE[@]}" \
+        > "$OUT/suite.log" 2>&1
+      summary "$OUT/suite.log"
+      ;;
+    checks)
+      timeout 240 python3 -m pytest -v -p no:cacheprovider -n 4 tests/cuda > "$OUT/cuda-tests.log" 2>&1 &
+      timeout 240 python3 -m pytest -v -p no:cacheprovider -n 10 -k "not wandb and not random_kills" "${SUITE[@]}" \
+        > "$OUT/suite.log" 2>&1
+      wait
+      echo "== tests/cuda"; summary "$OUT/cuda-tests.log"
+      echo "== suite"; summary "$OUT/suite.log"
       ;;
     *) echo "unknown step: $step" >&2 ;;
   esac

@@ -54,6 +54,7 @@ def test_defaults():
         "save_best": True,
         "export_dtype": None,
         "async_mode": "disabled",
+        "device_staging": "auto",
         "on_error": "warn",
         "export_format": ["pth"],
     }

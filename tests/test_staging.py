@@ -28,8 +28,10 @@ from tests.scripts.resumable import ResumableRunner, make_config
 
 
 class GatedFence:
-    def __init__(self, engine: GatedCopies, pairs) -> None:
-        self.engine, self.pairs, self.ordered = engine, list(pairs), 0
+    def __init__(self, engine: GatedCopies, pairs, on_device_first: bool = False) -> None:
+        self.engine, self.ordered, self.on_device_first = engine, 0, on_device_first
+        # A device copy first: the copies below read clones taken now, as the CUDA engine's read its device copies.
+        self.pairs = [(target, source.clone() if on_device_first else source) for target, source in pairs]
         self.thread = threading.Thread(target=self._copy, daemon=True)
         self.thread.start()
 
@@ -56,8 +58,8 @@ class GatedCopies:
         self.release = threading.Event()
         self.fences: list[GatedFence] = []
 
-    def start(self, pairs) -> GatedFence:
-        fence = GatedFence(self, pairs)
+    def start(self, pairs, on_device_first: bool = False) -> GatedFence:
+        fence = GatedFence(self, pairs, on_device_first)
         self.fences.append(fence)
         return fence
 
@@ -82,10 +84,12 @@ def on_device(*tensors: torch.Tensor):
     return lambda tensor: storage_key(tensor) in keys
 
 
-def make_staging(device_tensors, pin=None, shared=False) -> tuple[Staging, GatedCopies]:
+def make_staging(device_tensors, pin=None, shared=False, device_room=0) -> tuple[Staging, GatedCopies]:
+    """A staging policy whose device (the `device_tensors`) has `device_room` bytes to spare: none by default, so the
+    copies go straight to the host buffers."""
     engine = GatedCopies()
     staging = Staging(shared=shared, allocate_pinned=pin or PinRecorder(), on_device=on_device(*device_tensors),
-                      copies_factory=lambda: engine)  # fmt: skip
+                      copies_factory=lambda: engine, device_room=lambda device: device_room)  # fmt: skip
     return staging, engine
 
 
@@ -157,6 +161,30 @@ def test_device_copies_are_ordered_before_the_step_without_blocking_the_host_and
     for key, source in (("param", param), ("buffer", buffer), ("cpu", cpu_param)):
         assert torch.equal(snapshot.replicated[key], source)
     assert torch.equal(snapshot.local["rng"], torch.ones(1))
+
+
+@pytest.mark.parametrize(
+    ("room", "device_staging", "first"),
+    [(24, "auto", True), (10**9, "auto", True), (23, "auto", False), (10**9, "off", False)],
+)
+def test_a_device_with_room_for_a_copy_of_the_state_gets_one_first_and_the_loop_need_not_wait(
+    room, device_staging, first
+):
+    """24 bytes of state on the stand-in device: copied on the device first when its spare memory holds all of it
+    (the copies to the host then read that copy, so training may change the tensors at once), never with `off`."""
+    param, buffer = torch.arange(4.0), torch.full((2,), 7.0)
+    staging, engine = make_staging([param, buffer], device_room=room)
+    staging.device_staging = device_staging
+    snapshot = Snapshot({"param": param, "buffer": buffer}, {}, deferred=[param], pool=BufferPool(staging=staging))
+    assert [fence.on_device_first for fence in engine.fences] == [first, first]
+    assert staging.staged_on_device_nbytes == (24 if first else 0)
+    param.add_(1.0)  # the optimizer step and the forward, before the copies to the host ran
+    buffer.add_(1.0)
+    engine.release.set()
+    snapshot.wait()
+    if first:
+        assert torch.equal(snapshot.replicated["param"], torch.arange(4.0))
+        assert torch.equal(snapshot.replicated["buffer"], torch.full((2,), 7.0))
 
 
 def test_a_pinning_failure_falls_back_to_pageable_copies_with_one_warning(caplog):

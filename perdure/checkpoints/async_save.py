@@ -29,6 +29,7 @@ import torch.multiprocessing as torch_mp
 
 from perdure.checkpoints.save_errors import save_failure
 from perdure.checkpoints.snapshot import BufferPool, Snapshot
+from perdure.checkpoints.staging import Staging
 from perdure.errors import CheckpointSaveError, CheckpointStateError
 
 if TYPE_CHECKING:
@@ -70,7 +71,9 @@ class SaveOutcome:
 class AsyncSaver:
     """The queue between the training loop and the single background writer."""
 
-    def __init__(self, manager: CheckpointManager, mode: str, shared_memory: bool | None = None) -> None:
+    def __init__(
+        self, manager: CheckpointManager, mode: str, shared_memory: bool | None = None, device_staging: str = "auto"
+    ) -> None:
         if mode not in ("thread", "process"):
             raise ValueError(f"async mode must be 'thread' or 'process', got {mode!r}")
         self.manager = manager
@@ -82,7 +85,8 @@ class AsyncSaver:
         self._outcomes: list[SaveOutcome] = []
         self._closed = False
         # Shared memory when another process reads the snapshot (this writer's, or a backend's own, e.g. DCP's).
-        self.pool = BufferPool(shared_memory=mode == "process" if shared_memory is None else shared_memory)
+        shared = mode == "process" if shared_memory is None else shared_memory
+        self.pool = BufferPool(staging=Staging(shared=shared, device_staging=device_staging))
         # The writer process starts now, while training warms up, so the first save does not wait for its imports.
         self._writer = _WriterProcess(manager) if mode == "process" else None
         self._thread = threading.Thread(target=self._run, name="perdure-checkpoint-writer", daemon=True)

@@ -54,6 +54,7 @@ class CheckpointPolicy:
 
     enabled: bool = True
     async_mode: str = "disabled"
+    device_staging: str = "auto"
     interval: int | None = None
     interval_steps: int | None = None
     keep_latest_k: int = 0
@@ -65,6 +66,7 @@ class CheckpointPolicy:
         return cls(
             enabled=bool(ckpt.get("enabled", True)),
             async_mode=ckpt.get("async_mode") or "disabled",
+            device_staging=ckpt.get("device_staging") or "auto",
             interval=ckpt.get("interval"),
             interval_steps=ckpt.get("interval_steps"),
             keep_latest_k=int(ckpt.get("keep_latest_k") or 0),
@@ -367,7 +369,7 @@ class CheckpointManager(ABC):
 
     def _async_saver(self) -> AsyncSaver:
         if self._saver is None:
-            self._saver = AsyncSaver(self, self.policy.async_mode)
+            self._saver = AsyncSaver(self, self.policy.async_mode, device_staging=self.policy.device_staging)
         return self._saver
 
     def __getstate__(self) -> dict[str, Any]:

@@ -126,7 +126,8 @@ class DCPCheckpointManager(CheckpointManager):
             # used by a single process (its `dcp.save` needs no process group).
             mode = "thread" if self.world_size > 1 else self.policy.async_mode
             # DCP's process receives the snapshot without another copy when its buffers are shared memory.
-            self._saver = AsyncSaver(self, mode, shared_memory=self.policy.async_mode == "process")
+            shared = self.policy.async_mode == "process"
+            self._saver = AsyncSaver(self, mode, shared_memory=shared, device_staging=self.policy.device_staging)
         return self._saver
 
     # ---- the backend --------------------------------------------------------------------------------------------

@@ -42,16 +42,25 @@ def reference(tmp_path_factory):
     return get
 
 
-def train_losses(root):
+def logged(root):
+    """Every train loss and every evaluation's metrics (under no_grad and the precision's autocast) the run logged."""
     rows = read_metrics_csv(run_dir(root) / "metrics.csv")
-    return [(step, value) for step, split, name, value in rows if split == "train" and name == "loss"]
+    wanted = {("train", "loss"), ("train", "lr")}  # not its throughput and memory
+    return [
+        (step, split, name, value) for step, split, name, value in rows if split == "val" or (split, name) in wanted
+    ]
 
 
-@pytest.mark.parametrize("mode", ["disabled", "thread", "process"])
+# The async modes with the default staging (a copy on the GPU first: these small models leave room for it), and
+# `thread-off`: straight into pinned host buffers, the optimizer step ordered after the copies on the device.
+@pytest.mark.parametrize("mode", ["disabled", "thread", "process", "thread-off"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_sigkill_and_rerun_is_bit_exact_on_cuda(reference, tmp_path, precision, mode):
+    if mode == "thread-off" and precision != "bf16":
+        pytest.skip("the pinned-only staging is checked in bf16")
     expected_root = reference(precision)
-    args = (*ARGS, "--precision", precision, "--ckpt.async_mode", mode)
+    staging = ("--ckpt.device_staging", "off") if mode.endswith("-off") else ()
+    args = (*ARGS, "--precision", precision, "--ckpt.async_mode", mode.removesuffix("-off"), *staging)
     root = tmp_path / "run"
     after_save = "*/*/checkpoints/ckpt-s000000000010/manifest.json"
     sleep = "0.1" if mode == "process" else "0.04"  # the writer process needs ~2 s to start
@@ -64,7 +73,8 @@ def test_sigkill_and_rerun_is_bit_exact_on_cuda(reference, tmp_path, precision, 
     assert resumed and min(resumed) > (0, 0, 0)
     for position, loss in resumed.items():
         assert expected[position] == loss, f"loss at {position} differs after the resume"
-    assert train_losses(root) == train_losses(expected_root)  # the log lines averaging carried losses included
+    # The log lines averaging carried losses included, and the evaluations' metrics.
+    assert logged(root) == logged(expected_root) and any(row[1] == "val" for row in logged(root))
     assert_same_weights(final_weights(expected_root), final_weights(root))
     assert_same_weights(final_weights(expected_root, "model-ema.pth"), final_weights(root, "model-ema.pth"))
 
@@ -72,7 +82,7 @@ def test_sigkill_and_rerun_is_bit_exact_on_cuda(reference, tmp_path, precision, 
 def test_gpu_snapshots_use_pinned_buffers_and_order_the_step_on_the_device():
     param, statistics = torch.randn(1024, 1024, device="cuda"), torch.randn(64, device="cuda")
     before = param.clone()
-    pool = BufferPool()
+    pool = BufferPool(staging=Staging(device_staging="off"))
     snapshot = Snapshot({"param": param, "stats": statistics}, {}, deferred=[param], pool=pool)
     assert all(buffer.is_pinned() for buffer in snapshot.buffers)
     snapshot.fence()
@@ -85,6 +95,37 @@ def test_gpu_snapshots_use_pinned_buffers_and_order_the_step_on_the_device():
     assert again.replicated["param"] is snapshot.replicated["param"]  # the pinned buffer is reused
     again.wait()
     assert torch.equal(again.replicated["param"], param.cpu())
+
+
+def test_a_snapshot_staged_on_the_gpu_needs_no_fence_and_gives_its_device_copy_back():
+    param, statistics = torch.randn(4096, 1024, device="cuda"), torch.randn(64, device="cuda")
+    before, stats_before = param.clone(), statistics.clone()
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    staging = Staging()
+    snapshot = Snapshot({"param": param, "stats": statistics}, {}, deferred=[param], pool=BufferPool(staging=staging))
+    assert staging.staged_on_device_nbytes == (4096 * 1024 + 64) * 4
+    assert all(buffer.is_pinned() for buffer in snapshot.buffers)
+    for _ in range(20):  # no fence: the training stream changes both at once, the copies read the device copy
+        param.mul_(1.5).add_(1.0)
+        statistics.add_(1.0)
+    snapshot.wait()
+    assert torch.equal(snapshot.replicated["param"], before.cpu())
+    assert torch.equal(snapshot.replicated["stats"], stats_before.cpu())
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated, "the device copy was not given back"
+
+
+def test_no_room_on_the_gpu_means_no_device_copy_and_a_fenced_step():
+    param = torch.randn(1024, device="cuda")
+    before = param.clone()
+    staging = Staging(device_room=lambda device: 1024 * 4 - 1)
+    snapshot = Snapshot({"param": param}, {}, deferred=[param], pool=BufferPool(staging=staging))
+    assert staging.staged_on_device_nbytes == 0
+    snapshot.fence()
+    param.add_(1.0)
+    snapshot.wait()
+    assert torch.equal(snapshot.replicated["param"], before.cpu())
 
 
 @pytest.mark.parametrize("shared", [False, True])

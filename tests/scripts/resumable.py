@@ -10,8 +10,8 @@ Environment knobs (tests only):
                 then appends {"step"} to EVAL_LOG when set ("{rank}" replaced as in LOSS_LOG)
   VAL_SIZE      samples of the validation split (default 40)
   VAL_ITERABLE  "1": the validation split is a stream without a length, rank r of W reading samples r, r + W, ...
-  EVAL_DRAW     "1": each evaluation batch draws from torch's generator (its `draw` metric), as a random augmentation
-                would
+  EVAL_DRAW     "1": each evaluation batch draws from the device's generator (its `draw` metric), as a random
+                augmentation would
   SLOW_WHILE    a path: STEP_SLEEP applies only while it exists (a test holds a run back while it stages faults)
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (a deterministic hard death)
   KILL_AFTER_STEPS  SIGKILL this very process at the N-th step it trains itself, wherever a heal put it
@@ -226,7 +226,7 @@ class ResumableRunner(Runner):
     def evaluate_step(self, batch):
         metrics = dict(super().evaluate_step(batch))
         if self.eval_draw:
-            metrics["draw"] = float(torch.rand(()))
+            metrics["draw"] = float(torch.rand((), device=self.device))  # the CUDA generator on a GPU
         if self.eval_log:
             with open(self.eval_log, "a") as log:
                 log.write(json.dumps({"step": self.state.global_step}) + "\n")
