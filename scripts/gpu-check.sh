@@ -7,7 +7,7 @@
 #
 #   tests   tests/cuda (kill -9 + rerun bit-exact on the GPU, pinned staging, staging on the device first)
 #   bench   benchmarks/gpu.py (runner vs hand loop, async vs sync stall of a 435M GPT)
-#   stall   the stall part alone, with saves 90 steps apart, the staging on the device first and without it (-off)
+#   stall   the stall part alone: 5 saves 90 steps apart, what each save call spent its time on
 #   profile the same, with torch.profiler traces (chrome format) of the steps around the second save in $OUT/traces
 #   suite   the single-process tests that resume, with CUDA visible (DDP tests run on gloo with CUDA hidden elsewhere;
 #           the random-kill tests, 60 processes, are left to tests/cuda's kill-and-resume cases)
@@ -44,8 +44,9 @@ for step in "${steps[@]}"; do
       timeout 330 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu-bench.log"
       cp bench-results/gpu.json "$OUT/" 2>/dev/null
       ;;
-    stall)  # saves far enough apart for the disk to keep up (a sync save of the 435M GPT took 6.5 s on an H100)
-      timeout 330 python3 benchmarks/gpu.py --skip-steps --stall-steps 271 --interval 90 2>&1 | tee "$OUT/gpu-stall.log"
+    stall)  # 5 saves 90 steps apart (a sync save of the 435M GPT: 6.5 s on an H100, 7 s on an H200)
+      timeout 330 python3 benchmarks/gpu.py --skip-steps --stall-steps 451 --interval 90 \
+        --stall-modes none,disabled,thread,process 2>&1 | tee "$OUT/gpu-stall.log"
       cp bench-results/gpu.json "$OUT/gpu-stall.json" 2>/dev/null
       ;;
     profile)  # the stall runs again, with torch.profiler traces of the steps around the second save in $OUT/traces
