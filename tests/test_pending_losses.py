@@ -2,7 +2,8 @@
 the run's own loss tensors on another device or in another dtype; a resumed run logs the averages a run that never
 stopped logs. On CUDA the old tensors came back on the CPU and `torch.stack` failed at the first log line; here the
 mismatch is simulated with checkpoints that carry the losses as float64 tensors (another dtype) or meta tensors
-(another device)."""
+(another device). A restored RunnerState field of a type or value the state never holds (a checkpoint from someone
+else) is refused, naming it, before training."""
 
 from __future__ import annotations
 
@@ -70,14 +71,15 @@ class Saved:
         raise AssertionError("only saved")
 
 
-def rewrite_pending_losses(root: Path, convert) -> None:
-    """Commit the latest checkpoint again, identical but for its pending losses, through the real commit protocol."""
+def rewrite_pending_losses(root: Path, convert, key: str = "pending_losses") -> None:
+    """Commit the latest checkpoint again, identical but for its pending losses (or another field of the runner's
+    state), through the real commit protocol."""
     path = latest(root)
     manifest = verify_checkpoint(path)
     replicated = torch.load(path / "state.pth", weights_only=True)
     local = torch.load(path / "rank00000.pth", weights_only=True)
     config_text = (path / "config.yaml").read_text()
-    replicated["state"]["pending_losses"] = convert(replicated["state"]["pending_losses"])
+    replicated["state"][key] = convert(replicated["state"][key])
     shutil.rmtree(path)
     identity = {key: manifest[key] for key in ("config_id", "code_id")}
     manager = FileCheckpointManager(path.parent, CheckpointPolicy(), identity=identity)
@@ -144,3 +146,45 @@ def test_the_log_mean_of_carried_floats_and_new_tensors_equals_the_uninterrupted
         for carried in range(len(typed)):  # a log line follows a step: at least one loss is the run's own
             resumed = losses_as_floats(typed[:carried]) + typed[carried:]
             assert mean_loss(resumed) == uninterrupted, (dtype, carried)
+
+
+BAD_FIELDS = [
+    ("global_step", "12", "not a non-negative integer"),
+    ("samples_in_epoch", -3, "not a non-negative integer"),
+    ("epoch", 1.0, "not a non-negative integer"),
+    ("best_step", True, "not a non-negative integer"),
+    ("evaluation_pending", 1, "not true or false"),
+    ("early_stopped", "no", "not true or false"),
+    ("best_score", float("nan"), "not a number"),
+    ("best_score", "0.5", "not a number"),
+    ("wandb_run_id", "../../etc", "not a W&B run id"),
+    ("results", [], "not a mapping of steps"),
+    ("results", {"latest": {}}, "not step"),
+    ("results", {"3": {"val": {"loss": "low"}}}, "not a number"),
+    ("results", {"3": {"val": [0.5]}}, "not split"),
+]
+
+
+@pytest.mark.parametrize(("key", "bad", "message"), BAD_FIELDS, ids=[f"{key}={bad!r}" for key, bad, _ in BAD_FIELDS])
+def test_a_restored_state_field_of_another_type_is_refused_and_nothing_changes(key, bad, message):
+    state = RunnerState(global_step=7, best_score=1.5)
+    with pytest.raises(CheckpointError, match=rf"state\.{key}\b.*{message}"):
+        state.load_state_dict({"global_step": 9, "best_score": 0.5, key: bad})
+    assert (state.global_step, state.best_score) == (7, 1.5), "a refused state changed the run's"
+
+
+def test_every_field_a_run_saves_is_taken_back():
+    state = RunnerState(global_step=12, epoch=1, samples_in_epoch=40, attempt=2, skipped_steps=1, best_score=0.25,
+                        best_step=10, patience_count=1, early_stopped=True, wandb_run_id="a1b2c3d4",
+                        evaluation_pending=True, pending_losses=[0.5])  # fmt: skip
+    state.results = {"10": {"val": {"loss": 0.25, "accuracy": 1}}}
+    loaded = RunnerState()
+    loaded.load_state_dict(state.state_dict())
+    assert loaded == state
+
+
+def test_a_checkpoint_whose_step_is_not_a_number_is_refused_before_training(tmp_path):
+    train(tmp_path, 6)
+    rewrite_pending_losses(tmp_path, lambda step: str(step), key="global_step")
+    with pytest.raises(CheckpointError, match=r"state\.global_step is '6', not a non-negative integer"):
+        ResumableRunner(make_config(tmp_path, steps=12, **SETTINGS))

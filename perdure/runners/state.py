@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,12 +53,58 @@ class RunnerState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        known = {name for name in self.__dataclass_fields__}
+        """Take a checkpoint's state, refusing (CheckpointError, before anything changes) a field whose type or value
+        this state never holds: the checkpoint may come from someone else. Unknown keys are ignored."""
+        if not isinstance(state, dict):
+            raise CheckpointError(f"the runner state is a {type(state).__name__}, not a mapping")
+        loaded = {}
         for key, value in state.items():
             if key == "pending_losses":
-                setattr(self, key, _as_floats(value, f"state.{key}"))
-            elif key in known:
-                setattr(self, key, _plain(value, f"state.{key}"))
+                loaded[key] = _as_floats(value, f"state.{key}")
+            elif key in self.__dataclass_fields__:
+                loaded[key] = _plain(value, f"state.{key}")
+                _check_field(key, loaded[key])
+        for key, value in loaded.items():
+            setattr(self, key, value)
+
+
+COUNTS = ("global_step", "epoch", "samples_in_epoch", "attempt", "skipped_steps", "patience_count")
+FLAGS = ("early_stopped", "evaluation_pending")
+WANDB_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def _check_field(name: str, value: Any) -> None:
+    """Refuse a restored field whose type or value the state never holds."""
+    where = f"state.{name}"
+    if name in COUNTS or (name == "best_step" and value is not None):
+        if type(value) is not int or value < 0:
+            raise CheckpointError(f"{where} is {value!r}, not a non-negative integer")
+    elif name in FLAGS:
+        if type(value) is not bool:
+            raise CheckpointError(f"{where} is {value!r}, not true or false")
+    elif name == "best_score" and value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise CheckpointError(f"{where} is {value!r}, not a number")
+    elif name == "wandb_run_id" and value is not None:
+        if not isinstance(value, str) or not WANDB_RUN_ID.fullmatch(value):
+            raise CheckpointError(f"{where} is {value!r}, not a W&B run id (up to 128 letters, digits, '_' or '-')")
+    elif name == "results":
+        _check_results(value, where)
+
+
+def _check_results(results: Any, where: str) -> None:
+    """Evaluation results: {step (digits): {split: {metric: number}}}."""
+    if not isinstance(results, dict):
+        raise CheckpointError(f"{where} is a {type(results).__name__}, not a mapping of steps to results")
+    for step, splits in results.items():
+        if not isinstance(step, str) or not step.isdigit() or not isinstance(splits, dict):
+            raise CheckpointError(f"{where} holds {step!r}: {type(splits).__name__}, not step: {{split: metrics}}")
+        for split, metrics in splits.items():
+            if not isinstance(split, str) or not isinstance(metrics, dict):
+                raise CheckpointError(f"{where}[{step!r}] holds {split!r}, not split: {{metric: number}}")
+            for metric, number in metrics.items():
+                if not isinstance(metric, str) or not isinstance(number, (int, float)):
+                    raise CheckpointError(f"{where}[{step!r}][{split!r}] holds {metric!r}: {number!r}, not a number")
 
 
 def _as_floats(values: Any, where: str) -> list[float]:
