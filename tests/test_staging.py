@@ -23,7 +23,7 @@ import perdure.checkpoints.base as manager_module
 from perdure.checkpoints.async_save import AsyncSaver, BufferPickler, BufferUnpickler, SaveJob
 from perdure.checkpoints.base import snapshot_buffer_sets
 from perdure.checkpoints.snapshot import BufferPool, Snapshot, storage_key
-from perdure.checkpoints.staging import Staging, private_pages
+from perdure.checkpoints.staging import SpareDeviceMemory, Staging, private_pages
 from tests.scripts.resumable import ResumableRunner, make_config
 
 
@@ -185,6 +185,50 @@ def test_a_device_with_room_for_a_copy_of_the_state_gets_one_first_and_the_loop_
     if first:
         assert torch.equal(snapshot.replicated["param"], torch.arange(4.0))
         assert torch.equal(snapshot.replicated["buffer"], torch.full((2,), 7.0))
+
+
+class RefusesDeviceCopies(GatedCopies):
+    """A device whose memory cannot hold the device copy after all (the room estimate was wrong)."""
+
+    def start(self, pairs, on_device_first: bool = False) -> GatedFence:
+        if on_device_first:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.00 GiB (injected)")
+        return super().start(pairs)
+
+
+def test_a_device_copy_that_does_not_fit_falls_back_to_fenced_copies_for_good_with_one_warning(caplog):
+    param = torch.arange(4.0)
+    engine = RefusesDeviceCopies()
+    engine.release.set()
+    staging = Staging(allocate_pinned=PinRecorder(), on_device=on_device(param), copies_factory=lambda: engine,
+                      device_room=lambda device: 10**9)  # fmt: skip
+    pool = BufferPool(staging=staging)
+    with caplog.at_level(logging.WARNING, logger="perdure"):
+        for _ in range(2):
+            snapshot = Snapshot({"param": param}, {}, deferred=[param], pool=pool)
+            snapshot.fence()
+            snapshot.wait()
+            assert torch.equal(snapshot.replicated["param"], param)
+            pool.give_back(snapshot.buffers)
+    assert staging.device_staging == "off" and staging.staged_on_device_nbytes == 0
+    assert [fence.on_device_first for fence in engine.fences] == [False, False]
+    assert caplog.text.count("did not fit") == 1 and "Tried to allocate 5.00 GiB" in caplog.text
+
+
+def test_the_spare_memory_of_a_gpu_keeps_the_largest_peak_it_saw(monkeypatch):
+    """A user's `torch.cuda.reset_peak_memory_stats()` between two saves must not make room the next forward needs."""
+    gib = 2**30
+    readings = {"peak": 30 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 32 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: readings["peak"])
+    room = SpareDeviceMemory()
+    device = torch.device("cuda", 0)
+    assert room(device) == 50 * gib + 32 * gib - 30 * gib - 8 * gib
+    readings["peak"] = 2 * gib  # reset by the user's code
+    assert room(device) == 44 * gib
+    readings["peak"] = 40 * gib
+    assert room(device) == 34 * gib
 
 
 def test_a_pinning_failure_falls_back_to_pageable_copies_with_one_warning(caplog):

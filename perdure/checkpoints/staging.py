@@ -92,14 +92,21 @@ def _unpin(data_ptr: int) -> None:
         pass
 
 
-def spare_device_memory(device: torch.device) -> int:
-    """Bytes of `device` a copy of the state may take while training goes on: what this process can have (the
-    device's free memory plus what PyTorch's allocator holds) less the training's peak allocation so far (the next
-    forward and backward need it again while the copy lives) and a tenth of the device (fragmentation, other
-    allocations). Conservative: a peak reached while an earlier copy lived counts that copy too."""
-    free, total = torch.cuda.mem_get_info(device)
-    capacity = free + torch.cuda.memory_reserved(device)
-    return max(0, capacity - torch.cuda.max_memory_allocated(device) - total // 10)
+class SpareDeviceMemory:
+    """Bytes of a device a copy of the state may take while training goes on: what this process can have (the
+    device's free memory plus what PyTorch's allocator holds) less the training's peak allocation (the next forward and
+    backward need it again while the copy lives) and a tenth of the device (fragmentation, other allocations).
+
+    The peak is the largest this object has read: a `torch.cuda.reset_peak_memory_stats()` in the user's code between
+    two saves does not shrink it. Conservative: a peak reached while an earlier copy lived counts that copy too."""
+
+    def __init__(self) -> None:
+        self._peaks: dict[torch.device, int] = {}
+
+    def __call__(self, device: torch.device) -> int:
+        free, total = torch.cuda.mem_get_info(device)
+        peak = self._peaks[device] = max(self._peaks.get(device, 0), torch.cuda.max_memory_allocated(device))
+        return max(0, free + torch.cuda.memory_reserved(device) - peak - total // 10)
 
 
 class CudaFence:
@@ -171,7 +178,7 @@ class Staging:
     allocate_pinned: Callable[[tuple[int, ...], torch.dtype, bool], torch.Tensor] = allocate_pinned
     on_device: Callable[[torch.Tensor], bool] = is_cuda
     copies_factory: Callable[[], DeviceCopies] = CudaCopies
-    device_room: Callable[[torch.device], int] = spare_device_memory
+    device_room: Callable[[torch.device], int] = field(default_factory=SpareDeviceMemory)
     pin_failure: str | None = None
     staged_on_device_nbytes: int = 0  # bytes copied on a device first, over all snapshots (what a benchmark reports)
     _copies: DeviceCopies | None = field(default=None, repr=False)
@@ -222,10 +229,28 @@ class Staging:
             for target, source in group:
                 by_device.setdefault(source.device, []).append((target, source))
             for device, pairs in by_device.items():
-                fenced.append(self._copies.start(pairs, device in first))
+                fenced.append(self._start(self._copies, pairs, device in first))
         for fence in fences[0]:
             fence.order_before_mutation()
         return fences
+
+    def _start(self, copies: DeviceCopies, pairs: CopyPairs, on_device_first: bool) -> CopyFence:
+        """Start one device's copies; a device copy that does not fit after all is given up, for good, with a word."""
+        if on_device_first and self.device_staging == "auto":
+            try:
+                fence = copies.start(pairs, True)
+            except torch.OutOfMemoryError as error:
+                self.device_staging = "off"
+                logger.warning(
+                    "a copy of the state on %s for an async snapshot did not fit (%s): snapshots copy straight to "
+                    "pinned host buffers from now on, and the optimizer step after a save waits for that copy",
+                    pairs[0][1].device,
+                    str(error).splitlines()[0],
+                )
+            else:
+                self.staged_on_device_nbytes += sum(source.numel() * source.element_size() for _, source in pairs)
+                return fence
+        return copies.start(pairs, False)
 
     def _on_device_first(self, pairs: CopyPairs) -> set[torch.device]:
         """The devices whose sources get a device copy first: each whose spare memory holds a copy of all of them."""
@@ -234,6 +259,4 @@ class Staging:
         nbytes: dict[torch.device, int] = {}
         for _, source in pairs:
             nbytes[source.device] = nbytes.get(source.device, 0) + source.numel() * source.element_size()
-        chosen = {device for device, size in nbytes.items() if size <= self.device_room(device)}
-        self.staged_on_device_nbytes += sum(nbytes[device] for device in chosen)
-        return chosen
+        return {device for device, size in nbytes.items() if size <= self.device_room(device)}
