@@ -147,6 +147,7 @@ class RunnerConfig(chanfig.Config):
         self.ckpt.async_mode = "disabled"  # disabled, thread or process: write checkpoints in the background
         self.ckpt.device_staging = "auto"  # async saves on a GPU: auto copies the state on it first if it has room; off
         self.ckpt.on_error = "warn"  # a failed periodic save: warn and train on, or raise
+        self.ckpt.hang_warning_s = 300.0  # warn when a save writes nothing for this long (a hung filesystem); 0: never
         self.ckpt.export_format = ["pth"]  # what the final export writes: pth and / or safetensors
         self.optim.name = "adamw"  # the default optimizer: adamw, adam, sgd (unless you assign self.optimizer)
         self.optim.lr = 1e-3  # learning rate
@@ -402,6 +403,7 @@ class RunnerConfig(chanfig.Config):
         for key in ("checkpoint", "pretrained"):
             check_path(key, get(key))
         check_number("max_grad_norm", get("max_grad_norm"), "a number >= 0 (0: no clipping)", lambda x: x >= 0, True)
+        check_number("ckpt.hang_warning_s", get("ckpt.hang_warning_s"), "seconds >= 0 (0: never)", lambda x: x >= 0)
         check_number("perf.peak_flops", get("perf.peak_flops"), "None or FLOP/s > 0", lambda x: x > 0, True)
         backend = get("compile.backend")
         if not isinstance(backend, str) or not backend:

@@ -56,6 +56,7 @@ def test_defaults():
         "async_mode": "disabled",
         "device_staging": "auto",
         "on_error": "warn",
+        "hang_warning_s": 300.0,
         "export_format": ["pth"],
     }
     assert c["optim"]["betas"] == [0.9, 0.999] and c["optim"]["lr"] == 1e-3

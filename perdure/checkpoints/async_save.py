@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from perdure.checkpoints.save_errors import save_failure
+from perdure.checkpoints.save_watch import SaveWatch
 from perdure.checkpoints.snapshot import BufferPool, Snapshot
 from perdure.checkpoints.staging import Staging
 from perdure.errors import CheckpointSaveError, CheckpointStateError
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("perdure")
 SentBuffers = dict[int, tuple[int, torch.Tensor]]  # id of a buffer -> (its number for the writer process, the buffer)
 WRITER_PROCESS_NAME = "perdure-checkpoint-writer"
+BACKGROUND = (
+    "training goes on while it is written in the background, but a final or preemption save waits for it, and so "
+    "does the run's exit"
+)
 
 
 @dataclass
@@ -72,12 +77,18 @@ class AsyncSaver:
     """The queue between the training loop and the single background writer."""
 
     def __init__(
-        self, manager: CheckpointManager, mode: str, shared_memory: bool | None = None, device_staging: str = "auto"
+        self,
+        manager: CheckpointManager,
+        mode: str,
+        shared_memory: bool | None = None,
+        device_staging: str = "auto",
+        watch: SaveWatch | None = None,
     ) -> None:
         if mode not in ("thread", "process"):
             raise ValueError(f"async mode must be 'thread' or 'process', got {mode!r}")
         self.manager = manager
         self.mode = mode
+        self.watch = watch
         self._condition = threading.Condition()
         self._pending: deque[tuple[SaveJob, Snapshot]] = deque()
         self._in_flight: str | None = None
@@ -178,6 +189,8 @@ class AsyncSaver:
             try:
                 snapshot.wait()
                 job.replicated, job.local = snapshot.replicated, snapshot.local
+                if self.watch is not None:
+                    self.watch.begin(job.name, BACKGROUND)
                 if self._writer is None:
                     self.manager.commit_job(job)
                 else:
@@ -185,6 +198,8 @@ class AsyncSaver:
             except BaseException as failure:  # kept and reported on the loop's next save
                 reported = save_failure(failure, name=job.name, root=self.manager.root, needed=job.nbytes)
                 error, fatal = str(reported), isinstance(reported, CheckpointStateError)
+            if self.watch is not None:
+                self.watch.end(job.name)
             reason = str(job.meta.get("reason"))
             outcome = SaveOutcome(job.name, reason, time.perf_counter() - started, error, fatal)
             # The save is over: its buffers serve the next snapshot, and this thread lets go of them at once.

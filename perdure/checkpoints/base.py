@@ -29,6 +29,7 @@ from perdure.checkpoints.resolve import CheckpointInfo, Resolution, committed_ch
 from perdure.checkpoints.resolve import repair as repair_checkpoints
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.checkpoints.save_errors import human_bytes, save_failure
+from perdure.checkpoints.save_watch import SaveWatch
 from perdure.checkpoints.snapshot import Snapshot, available_memory, local_part, snapshot_nbytes
 from perdure.distributed.collectives import all_ranks
 from perdure.distributed.process_group import launched_local_world_size
@@ -55,6 +56,7 @@ class CheckpointPolicy:
     enabled: bool = True
     async_mode: str = "disabled"
     device_staging: str = "auto"
+    hang_warning_s: float = 300.0
     interval: int | None = None
     interval_steps: int | None = None
     keep_latest_k: int = 0
@@ -67,6 +69,7 @@ class CheckpointPolicy:
             enabled=bool(ckpt.get("enabled", True)),
             async_mode=ckpt.get("async_mode") or "disabled",
             device_staging=ckpt.get("device_staging") or "auto",
+            hang_warning_s=float(ckpt.get("hang_warning_s", 300.0)),
             interval=ckpt.get("interval"),
             interval_steps=ckpt.get("interval_steps"),
             keep_latest_k=int(ckpt.get("keep_latest_k") or 0),
@@ -119,6 +122,7 @@ class CheckpointManager(ABC):
         self.resumed_from: str | None = None
         self.last_saved: str | None = None
         self._saver: AsyncSaver | None = None
+        self.watch = SaveWatch(self.root, policy.hang_warning_s)  # names a save that writes nothing for a while
         self._saves = 0
         self.quarantined: list[str] = []
         self.resolution: Resolution | None = None  # what `resolve` found, for `repair`
@@ -265,10 +269,13 @@ class CheckpointManager(ABC):
     def _commit_now(self, job: SaveJob) -> None:
         """A synchronous save: any failure is raised as a `CheckpointSaveError` (I/O, with its real cause) or a
         `CheckpointStateError` (state that cannot be serialized), see `save_errors.py`."""
+        self.watch.begin(job.name, "training waits for it (a synchronous save)")
         try:
             self.commit_job(job)
         except Exception as error:
             raise save_failure(error, name=job.name, root=self.root, needed=job.nbytes) from error
+        finally:
+            self.watch.end(job.name)
 
     def snapshot_states(
         self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
@@ -369,7 +376,8 @@ class CheckpointManager(ABC):
 
     def _async_saver(self) -> AsyncSaver:
         if self._saver is None:
-            self._saver = AsyncSaver(self, self.policy.async_mode, device_staging=self.policy.device_staging)
+            staging = self.policy.device_staging
+            self._saver = AsyncSaver(self, self.policy.async_mode, device_staging=staging, watch=self.watch)
         return self._saver
 
     def __getstate__(self) -> dict[str, Any]:
@@ -377,6 +385,7 @@ class CheckpointManager(ABC):
         state = dict(self.__dict__)
         state["_saver"] = None
         state["resolution"] = None
+        state["watch"] = None  # the training process watches the saves
         return state
 
     def load(self, info: CheckpointInfo, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:

@@ -127,7 +127,8 @@ class DCPCheckpointManager(CheckpointManager):
             mode = "thread" if self.world_size > 1 else self.policy.async_mode
             # DCP's process receives the snapshot without another copy when its buffers are shared memory.
             shared = self.policy.async_mode == "process"
-            self._saver = AsyncSaver(self, mode, shared_memory=shared, device_staging=self.policy.device_staging)
+            staging = self.policy.device_staging
+            self._saver = AsyncSaver(self, mode, shared_memory=shared, device_staging=staging, watch=self.watch)
         return self._saver
 
     # ---- the backend --------------------------------------------------------------------------------------------
