@@ -388,6 +388,43 @@ def test_the_runner_reserves_after_its_first_step_and_no_save_makes_a_buffer_for
     assert runner.checkpoints.last_saved == "ckpt-s000000000009"
 
 
+def test_a_tensor_under_two_names_is_copied_once_and_stays_shared(tmp_path):
+    weight, other = torch.arange(6.0).view(2, 3), torch.ones(3)
+    snapshot = Snapshot({"model": {"embed.weight": weight, "head.weight": weight, "bias": other}},
+                        {"again": weight}, deferred=[weight])  # fmt: skip
+    snapshot.fence()
+    snapshot.wait()
+    copies = snapshot.replicated["model"]
+    assert copies["embed.weight"] is copies["head.weight"] is snapshot.local["again"]
+    assert torch.equal(copies["embed.weight"], weight) and len(snapshot.buffers) == 2
+    assert snapshot.nbytes == (6 + 3) * 4
+    # Two views of one storage are two tensors: each copied, as a sync save keeps each.
+    rows = Snapshot({"first": weight[0], "second": weight[1]}, {})
+    rows.wait()
+    assert torch.equal(rows.replicated["first"], weight[0]) and torch.equal(rows.replicated["second"], weight[1])
+
+
+class TiedRunner(WaitsForItsBuffers):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model[4].weight = self.model[2].weight  # tied, as a language model's embedding and head
+
+
+def test_tied_weights_are_saved_once_shared_and_every_save_finds_its_buffers_made(tmp_path):
+    """The reservation counts a tied weight once; the snapshot copied it under each name, so a save made a buffer of
+    that size in the training loop (two pinned 168 MB buffers per run on the 435M GPT with a tied head, measured on an
+    H200), and the checkpoint held the weight twice."""
+    config = make_config(tmp_path, **{"steps": 9, "ckpt.interval": 3, "ckpt.async_mode": "thread", "depth": 2})
+    runner = TiedRunner(config)
+    runner.train()
+    tied = (tuple(runner.model[2].weight.shape), torch.float32)
+    assert tied not in runner.made_by_first_save, "the first save made a buffer for the tied weight itself"
+    path = runner.run_dir.checkpoints / "ckpt-s000000000009" / "state.pth"
+    model = torch.load(path, weights_only=True)["model"]
+    assert model["2.weight"].untyped_storage().data_ptr() == model["4.weight"].untyped_storage().data_ptr()
+    assert torch.equal(model["4.weight"], runner.model[2].weight.detach().cpu())
+
+
 @pytest.mark.parametrize("ranks_on_host, reserved", [(None, True), ("4", False)])
 def test_the_ranks_of_one_host_reserve_a_share_of_its_free_memory_each(tmp_path, monkeypatch, ranks_on_host, reserved):
     runner = WaitsForItsBuffers(make_config(tmp_path, **{"steps": 3, "ckpt.interval": 3, "ckpt.async_mode": "thread"}))

@@ -224,6 +224,8 @@ class Snapshot:
         self._device_now: list[tuple[torch.Tensor, torch.Tensor]] = []  # into pinned buffers, before the loop goes on
         self._device_later: list[tuple[torch.Tensor, torch.Tensor]] = []  # into pinned buffers, before the step
         self.nbytes = 0
+        # One copy per tensor, however many names it has (tied weights): the copies share it as the originals do.
+        self._copied: dict[tuple[Any, ...], torch.Tensor] = {}
         self.replicated = self._copy_tree(replicated)
         self.local = self._copy_tree(local)
         ordered, self._unordered = self._pool.staging.start_copies(self._device_now, self._device_later)
@@ -277,7 +279,11 @@ class Snapshot:
             layout = {"shape": tensor.shape, "stride": tensor.stride(), "run_check": False}
             return DTensor.from_local(shard, tensor.device_mesh, tensor.placements, **layout)
         tensor = tensor.detach()
+        view = (storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if view in self._copied:
+            return self._copied[view]
         target, pinned = self._pool.take(tensor)
+        self._copied[view] = target
         self.buffers.append(target)
         self.nbytes += tensor.numel() * tensor.element_size()
         deferred = storage_key(tensor) in self._deferred_keys
