@@ -54,6 +54,11 @@ class MetricLogger(ABC):
         """Push what was logged to disk: enough to survive a kill; `durable` must also survive a power loss."""
         return None
 
+    def sync(self) -> None:
+        """Make what an earlier `flush()` handed to the OS survive a power loss. Called from a thread other than the
+        one that logs (an fsync can take seconds on a busy filesystem): it may touch file descriptors only."""
+        return None
+
     def close(self) -> None:
         """Flush and release everything. Idempotent."""
         return None
@@ -83,6 +88,10 @@ class LoggerGroup:
     def flush(self, durable: bool = False) -> None:
         for logger in self.loggers:
             self._guarded(logger, logger.flush, durable)
+
+    def sync(self) -> None:
+        for logger in self.loggers:
+            self._guarded(logger, logger.sync)
 
     def _guarded(self, logger: MetricLogger, call: Any, *args: Any) -> None:
         """Run one logger's call; an I/O failure (a full disk) is warned about once per logger and training goes on:

@@ -72,6 +72,18 @@ class StepLines:
         if durable:
             os.fsync(self._file.fileno())
 
+    def sync(self) -> None:
+        """fsync what `flush` handed to the OS, from any thread: only the file descriptor is touched (a file closed
+        meanwhile is skipped; it was made durable by its close)."""
+        file = self._file
+        if file is None:
+            return
+        try:
+            descriptor = file.fileno()
+        except ValueError:
+            return
+        os.fsync(descriptor)
+
     def close(self) -> None:
         """Flush durably and close; idempotent."""
         if self._file is None:

@@ -78,6 +78,10 @@ class MediaLogger(MetricLogger):
         if self._index is not None:
             self._index.flush(durable)
 
+    def sync(self) -> None:
+        if self._index is not None:
+            self._index.sync()
+
     def close(self) -> None:
         if self._index is not None:
             self._index.close()

@@ -58,6 +58,10 @@ class MetricsCSV(MetricLogger):
         if self._lines is not None:
             self._lines.flush(durable)
 
+    def sync(self) -> None:
+        if self._lines is not None:
+            self._lines.sync()
+
     def close(self) -> None:
         if self._lines is not None:
             self._lines.close()

@@ -138,7 +138,7 @@ class CheckpointingMixin:
                 self.logger.info("committed %s (%s) in the background in %.2fs", outcome.name, outcome.reason,
                                  outcome.seconds)  # fmt: skip
                 best = read_pointer(self.run_dir.checkpoints, "best")
-                self.telemetry.checkpoint(outcome.name, seconds=outcome.seconds, best=best)
+                self.telemetry.checkpoint(outcome.name, seconds=outcome.seconds, best=best, background=True)
             else:
                 self._save_failed(outcome.name, outcome.reason, outcome.error)
 

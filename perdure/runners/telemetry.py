@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class RunTelemetry:
         self.heartbeat: Heartbeat | None = None
         self._heartbeat_at = self._sidecar_at = time.monotonic()
         self._sidecar_failed = False
+        self._durability = BackgroundDurability(self._make_durable)
 
     def start(self, *, attempt: str, resumed_from: str | None, details: Mapping[str, Any] | None = None) -> None:
         """Record the attempt (metadata, sidecar entry, restart counters, `details` such as the code it runs) and open
@@ -170,13 +172,24 @@ class RunTelemetry:
         if self.active:
             self.loggers.flush()
 
-    def checkpoint(self, name: str, *, seconds: float, best: str | None) -> None:
-        """A checkpoint was committed: loggers made durable up to it, the sidecar names it."""
+    def checkpoint(self, name: str, *, seconds: float, best: str | None, background: bool = False) -> None:
+        """A checkpoint was committed: loggers made durable up to it, the sidecar names it. `background` (an async
+        save, reported by the training loop): the fsyncs run on a thread of their own, since on a filesystem busy
+        writing the next checkpoint an fsync can take seconds, and the loop need not wait for a summary's."""
         if not self.active:
             return
-        self.loggers.flush(durable=True)
+        self.loggers.flush(durable=not background)
         if self.sidecar is not None:
             self.sidecar.record(latest_checkpoint=name, best_checkpoint=best, save_seconds=seconds)
+        if background:
+            self._durability.request()
+        elif self.sidecar is not None:
+            self._write_sidecar()
+
+    def _make_durable(self) -> None:
+        """On the durability thread: what `checkpoint(background=True)` flushed, fsynced, and the sidecar replaced."""
+        self.loggers.sync()
+        if self.sidecar is not None:
             self._write_sidecar()
 
     def save_failed(self, name: str, error: str) -> None:
@@ -193,6 +206,7 @@ class RunTelemetry:
             self.progress.close()
             set_progress_bar(None)
             self.progress = None
+        self._durability.wait()
         try:
             self.loggers.close()
         finally:
@@ -209,6 +223,7 @@ class RunTelemetry:
         """The attempt could not begin (its first writes failed): close what `start` opened, write nothing more."""
         if not self.active:
             return
+        self._durability.wait()
         try:
             self.loggers.close()
         finally:
@@ -228,6 +243,45 @@ class RunTelemetry:
             self._sidecar_failed = True
         else:
             self._sidecar_failed = False
+
+
+class BackgroundDurability:
+    """Runs `work` (fsyncs) on a thread of its own whenever asked; asks while it runs coalesce into one more run."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._work = work
+        self._condition = threading.Condition()
+        self._requested = self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def request(self) -> None:
+        with self._condition:
+            self._requested = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="perdure-durability", daemon=True)
+                self._thread.start()
+            self._condition.notify_all()
+
+    def wait(self) -> None:
+        """Block until the work asked for so far is done."""
+        with self._condition:
+            while self._requested or self._busy:
+                self._condition.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._requested:
+                    self._condition.wait()
+                self._requested, self._busy = False, True
+            try:
+                self._work()
+            except Exception as error:  # a summary's durability: never the end of the run it describes
+                logger.warning("making the run's records durable failed (%s); training goes on", error)
+            finally:
+                with self._condition:
+                    self._busy = False
+                    self._condition.notify_all()
 
 
 def _int_or_none(text: str | None) -> int | None:
