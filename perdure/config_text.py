@@ -29,6 +29,7 @@ OPTIONAL_STR_KEYS = frozenset(
         "workspace.root",
         "workspace.lineage",
         "workspace.id",
+        "workspace.code_id",  # a short git hash can read as a number: 1234567, 73327e9
         "ckpt.export_dtype",
         "wandb.project",
         "wandb.entity",

@@ -157,6 +157,14 @@ def test_path_and_name_keys_stay_strings(tmp_path):
     assert parse("--workspace.id", "none").workspace.id is None
 
 
+@pytest.mark.parametrize("short_hash", ["73327e9", "1234567", "0042e10"])
+def test_a_short_git_hash_that_reads_as_a_number_stays_the_code_id(short_hash):
+    """The warning of a requeue after a commit tells the user `--workspace.code_id <short hash>`: one hash in 27 is
+    all digits, and some read as floats; either was refused ('use a string or None'), so the old run could not go on."""
+    assert parse("--workspace.code_id", short_hash).workspace.code_id == short_hash
+    assert parse("--workspace.code_id", "none").workspace.code_id is None
+
+
 def test_lists():
     assert parse("--optim.betas", "[0.8, 0.9]").optim.betas == [0.8, 0.9]
     assert parse("--optim.betas", "0.5,0").optim.betas == [0.5, 0.0]
