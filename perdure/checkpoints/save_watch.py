@@ -28,7 +28,8 @@ MAX_ENTRIES = 100_000  # a staging directory holds a few files per rank; never w
 
 
 def staged_bytes(root: Path, name: str) -> int:
-    """Bytes of the regular files under the staging directories of save `name` (symlinks are not followed)."""
+    """Bytes of the files under the staging directories of save `name`; a symlink counts its own size, never its
+    target's (none is followed)."""
     total, seen = 0, 0
     prefix = f"{STAGING_PREFIX}{name}-"
     with os.scandir(root) as entries:
