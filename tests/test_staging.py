@@ -10,7 +10,6 @@ itself is exercised in tests/cuda/.
 
 from __future__ import annotations
 
-import io
 import logging
 import mmap
 import threading
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 import perdure.checkpoints.base as manager_module
-from perdure.checkpoints.async_save import AsyncSaver, BufferPickler, BufferUnpickler, SaveJob
+from perdure.checkpoints.async_save import AsyncSaver, SaveJob
 from perdure.checkpoints.base import snapshot_buffer_sets
 from perdure.checkpoints.snapshot import BufferPool, Snapshot, storage_key
 from perdure.checkpoints.staging import SpareDeviceMemory, Staging, private_pages
@@ -440,27 +439,6 @@ def test_the_ranks_of_one_host_reserve_a_share_of_its_free_memory_each(tmp_path,
 def test_two_sets_of_pinned_buffers_one_of_pageable_and_fewer_when_memory_is_short():
     assert [snapshot_buffer_sets(10, room, pinned=True) for room in (25, 20, 15, 9)] == [2, 2, 1, 0]
     assert [snapshot_buffer_sets(10, room, pinned=False) for room in (25, 10, 9)] == [1, 1, 0]
-
-
-def test_the_writer_process_gets_each_shared_buffer_in_full_once_then_by_number():
-    shared = [torch.full((4,), float(i)).share_memory_() for i in range(3)]
-    known, received = {}, {}
-
-    def send(job):
-        sent = {}
-        payload = BufferPickler.dumps(job, known, sent)
-        known.update(sent)
-        return len(sent), BufferUnpickler(io.BytesIO(payload), received).load()
-
-    count, first = send({"a": shared, "again": shared[0], "step": 7})
-    assert count == 3 and first["again"] is first["a"][0]
-    for buffer in shared:
-        buffer.add_(10)  # the next save's copies, into the same buffers
-    count, second = send({"a": shared, "again": shared[0], "step": 8})
-    assert count == 0, "a buffer the writer has was sent again"
-    assert all(b is a for a, b in zip(first["a"], second["a"])) and second["again"] is second["a"][0]
-    assert [float(b[0]) for b in second["a"]] == [10.0, 11.0, 12.0]  # the very memory, not a copy
-    assert second["step"] == 8
 
 
 def test_a_reservation_that_runs_out_of_memory_is_reported_by_the_next_save_and_the_saves_make_their_own():
