@@ -1,7 +1,8 @@
 """Run the benchmarks (`make bench`): each in its own process, then one summary table.
 
-    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [dcp_save] [ddp_step] [parallel_step]
-                             [deepspeed_step] [sampler_scale] [gpu] [ft_recovery] [--strict]
+    python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [writer_handover] [dcp_save]
+                             [ddp_step] [parallel_step] [deepspeed_step] [sampler_scale] [gpu] [ft_recovery]
+                             [--strict]
 
 Each benchmark prints its own table and writes `bench-results/<name>.json`; `gpu` says it skipped where there is no
 CUDA device. A missed target is reported, not
@@ -28,6 +29,7 @@ BENCHMARKS = (
     "step_overhead",
     "save_throughput",
     "async_stall",
+    "writer_handover",
     "dcp_save",
     "ddp_step",
     "parallel_step",
@@ -122,6 +124,12 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
                  f"{r['seconds']:.3f} / {r['rss_mib']:.0f} / {r['ns_per_index']:.0f}", "", ""]
                 for r in results["cases"]]  # fmt: skip
         return rows + [[name, key, f"{value:.1f}x", "", ""] for key, value in results["ratios"].items()]
+    if name == "writer_handover":
+        return [
+            [name, f"{key}: loop time lost s / background s", f"{r['lost_median_s']:.3f} / {r['work_median_s']:.3f}",
+             "", ""]
+            for key, r in results.items() if isinstance(r, dict)
+        ]  # fmt: skip
     if name == "async_stall":
         return [
             [name, f"{mode}: stall per save s / total s / peak RSS GiB", f"{r['stall_per_save_s']:.3f} / "
