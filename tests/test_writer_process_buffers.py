@@ -5,6 +5,7 @@ multiprocessing's resource sharer (whose thread serves one descriptor per reques
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import multiprocessing.resource_sharer
@@ -14,6 +15,7 @@ import socket
 import pytest
 import torch
 
+from perdure.checkpoints import async_save
 from perdure.checkpoints.async_save import (
     DESCRIPTORS_PER_MESSAGE,
     BufferPickler,
@@ -21,6 +23,7 @@ from perdure.checkpoints.async_save import (
     receive_descriptors,
     send_descriptors,
 )
+from perdure.checkpoints.commit import read_pointer
 from perdure.checkpoints.snapshot import BufferPool
 from perdure.checkpoints.staging import Staging, shared_pages
 from tests.scripts.resumable import ResumableRunner, make_config
@@ -142,3 +145,50 @@ def test_a_process_mode_run_hands_its_buffers_over_without_the_resource_sharer(t
     live = runner.model.state_dict()
     assert len(live) == 2 * 152 and all(torch.equal(state["model"][key], value) for key, value in live.items())
     assert len(state["optimizer"]["state"]) == 2 * 152
+
+
+def test_more_descriptors_than_the_socket_holds_reach_the_writer_process(tmp_path, monkeypatch):
+    """The job goes first and its descriptors after it, which the writer process reads as they come: sent first,
+    more than the socket holds (about 70,000 by default, 6 messages of 253 at its smallest, here) blocked the
+    training process's writer thread for good, with the writer process still waiting for the job."""
+    original = socket.socketpair
+
+    def small(*args):
+        pair = original(*args)
+        for end in pair:
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)  # the kernel's smallest
+        return pair
+
+    monkeypatch.setattr(async_save.socket, "socketpair", small)
+    config = make_config(tmp_path, **{"steps": 3, "ckpt.interval": 3, "ckpt.async_mode": "process", "depth": 300})
+    config.width = 4
+    runner = ManyTensors(config)
+    runner.train()  # with the descriptors first: hangs here (the test's timeout fails it)
+    state = torch.load(runner.run_dir.checkpoints / "ckpt-s000000000003" / "state.pth", weights_only=True)
+    assert len(state["optimizer"]["state"]) == 2 * 302
+    assert all(torch.equal(state["model"][key], value) for key, value in runner.model.state_dict().items())
+
+
+def test_descriptors_the_kernel_refuses_fail_that_save_and_the_next_one_starts_a_new_writer(
+    tmp_path, monkeypatch, capsys
+):
+    """A writer process that got a job but none of its descriptors would wait for them forever: it is killed, the
+    save fails saying why, and the next save starts another writer process and commits."""
+    real, calls = async_save.send_descriptors, []
+
+    def refuse_once(channel, descriptors):
+        calls.append(len(descriptors))
+        if len(calls) == 1:
+            raise OSError(errno.ETOOMANYREFS, "Too many references: cannot splice (injected)")
+        real(channel, descriptors)
+
+    monkeypatch.setattr(async_save, "send_descriptors", refuse_once)
+    config = make_config(tmp_path, **{"steps": 6, "ckpt.interval": 3, "ckpt.async_mode": "process"})
+    runner = ResumableRunner(config)
+    runner.train()
+    out = capsys.readouterr().out
+    assert "handing the shared buffers of ckpt-s000000000003 to the checkpoint writer process failed" in out
+    assert "Too many references" in out and "starting a new checkpoint writer process" in out
+    assert calls[0] == calls[1] > 0, "the new process got every buffer again"
+    assert read_pointer(runner.run_dir.checkpoints, "latest") == "ckpt-s000000000006"
+    assert not (runner.run_dir.checkpoints / "ckpt-s000000000003").exists()

@@ -254,11 +254,17 @@ class _WriterProcess:
             payload, descriptors = BufferPickler.dumps(job, self.buffers, sent)
         except Exception as error:
             raise save_failure(error, name=job.name, root=self.root) from error
-        try:
-            send_descriptors(self.descriptors, descriptors)  # first: the process reads them once it has the job
-        except OSError as error:  # the process is gone (a broken pipe) or cannot take them
-            raise CheckpointSaveError(self._died(f"before {job.name} reached it ({error})")) from None
         self.jobs.put((len(descriptors), payload))
+        try:  # after the job: the process reads them as they come, so no number of them fills the socket for good
+            send_descriptors(self.descriptors, descriptors)
+        except OSError as error:  # the process died (a broken pipe), or the kernel refused them
+            if self.process.is_alive():  # it would wait for them forever: the next save starts another
+                self.process.kill()
+                self.process.join()
+            raise CheckpointSaveError(
+                f"handing the shared buffers of {job.name} to the checkpoint writer process failed ({error}); "
+                "the next save starts another writer process"
+            ) from None
         self.buffers.update(sent)  # only once the process is sure to get them, in this order
         del payload
         while True:
