@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.multiprocessing as torch_mp
 
-from perdure.checkpoints.save_errors import save_failure
+from perdure.checkpoints.save_errors import killed_by, save_failure
 from perdure.checkpoints.save_watch import SaveWatch
 from perdure.checkpoints.snapshot import BufferPool, Snapshot
 from perdure.checkpoints.staging import Staging
@@ -281,10 +281,8 @@ class _WriterProcess:
 
     def _died(self, when: str) -> str:
         code = self.process.exitcode
-        if code is not None and code < 0:
-            killer = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-            oom = " (the out-of-memory killer sends it: see `dmesg`)" if -code == signal.SIGKILL else ""
-            return f"the checkpoint writer process was killed by {killer}{oom} {when}; the next save starts another"
+        if killer := killed_by(code):
+            return f"the checkpoint writer process was killed by {killer} {when}; the next save starts another"
         if self.committed == 0:
             return (
                 f"the checkpoint writer process died {when} (exit {code}; its error is above). It must be able to "

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from perdure.checkpoints.async_save import AsyncSaver, _raise_open_file_limit
 from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, write_file
+from perdure.checkpoints.dcp_process import replace_after_failure
 from perdure.checkpoints.file import local_file, read_local_states
 from perdure.checkpoints.safe_dcp import RestrictedFileSystemReader, RestrictedLoadPlanner, read_dcp_metadata
 from perdure.checkpoints.safe_unpickle import load_torch_file
@@ -169,7 +170,10 @@ class DCPCheckpointManager(CheckpointManager):
                 dcp.save(state, storage_writer=writer)
         except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
             # DCP reports a failure on any rank to every rank, so all of them fail this save together.
-            raise save_failure(error, name=staging.name, root=staging.parent) from error
+            reported: BaseException = error
+            if self._group is not None and self.policy.async_mode == "process":
+                reported = replace_after_failure(error, self.rank)
+            raise save_failure(reported, name=staging.name, root=staging.parent) from error
 
     def read(self, path: Path, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
         model, optimizer = states.get("model"), states.get("optimizer")

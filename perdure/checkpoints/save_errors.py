@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -61,6 +62,15 @@ def save_failure(error: BaseException, *, name: str, root: Path, needed: int = 0
     else:
         failure = CheckpointSaveError(describe_io_error(cause, root=root, needed=needed, wrapper=error))
     return failure
+
+
+def killed_by(exit_code: int | None) -> str | None:
+    """`SIGKILL (the out-of-memory killer sends it: see `dmesg`)` for a process that a signal ended, else None."""
+    if exit_code is None or exit_code >= 0:
+        return None
+    number = -exit_code
+    name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
+    return f"{name} (the out-of-memory killer sends it: see `dmesg`)" if number == signal.SIGKILL else name
 
 
 def describe_io_error(cause: OSError, *, root: Path, needed: int = 0, wrapper: BaseException | None = None) -> str:

@@ -5,6 +5,7 @@ Ranks are started as torchrun would start them (RANK, WORLD_SIZE, MASTER_ADDR / 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import threading
@@ -34,6 +35,7 @@ from tests.runs import (
     start_ranks,
 )
 from tests.scripts.resumable import ResumableRunner, make_config
+from tests.test_save_watch import writer_processes
 
 ARGS = ("--steps", "30", "--ckpt.interval", "5", "--ckpt.backend", "dcp", "--dist.timeout", "60")
 ARGS += ("--dataset_size", "96", "--dataloader.batch_size", "4")
@@ -146,6 +148,28 @@ def test_a_dcp_save_failing_on_one_rank_fails_on_every_rank_and_training_goes_on
     # The saves after the failed one commit (20, 25 and 30 are the three the default retention keeps).
     assert verify_checkpoint(checkpoints / "ckpt-s000000000020")["global_step"] == 20
     assert verify_checkpoint(latest(root))["global_step"] == 30
+    assert_same_weights(final_weights(reference), final_weights(root))
+
+
+def test_a_killed_dcp_checkpoint_process_fails_one_save_and_the_next_starts_new_ones(reference, tmp_path):
+    """DCP's own checkpoint process of one rank SIGKILLed (as the out-of-memory killer would): torch never replaces
+    it, so every later save failed, and the error read as state that cannot be serialized, which ended the run."""
+    root, args = tmp_path / "run", (*ARGS, "--ckpt.async_mode", "process")
+    processes = start_ranks(2, "resumable.py", root, *args, STEP_SLEEP="0.1")
+    try:
+        wait_for(root, "*/*/checkpoints/ckpt-s000000000010/manifest.json", processes)
+        (checkpoint_process,) = writer_processes(processes[1].pid)  # DCP's: perdure's writer is a thread here
+        os.kill(checkpoint_process, signal.SIGKILL)
+        outputs = [process.communicate(timeout=TIMEOUT)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert [process.returncode for process in processes] == [0, 0], outputs
+    assert f"DCP's checkpoint process of rank 1 (pid {checkpoint_process}) was killed by SIGKILL" in outputs[1]
+    assert "DCP's checkpoint process of rank 0 failed" in outputs[0]
+    assert all("next save starts a new one on every rank" in output for output in outputs)
+    assert "cannot be serialized" not in "".join(outputs)
+    assert verify_checkpoint(latest(root))["global_step"] == 30  # written by new checkpoint processes
     assert_same_weights(final_weights(reference), final_weights(root))
 
 

@@ -1,0 +1,57 @@
+"""DCP's own checkpoint process (`ckpt.async_mode=process` with several ranks) after a save of it failed.
+
+`dcp.async_save(..., async_checkpointer_type=PROCESS)` keeps one background process per rank for the life of the
+training process, joined to the other ranks' by a gloo group of their own, in a module global of torch's
+(`_CHECKPOINT_PROCESS`). Once one of them dies (the out-of-memory killer, a signal from outside), torch never replaces
+it: every later save of that rank fails with `Checkpoint background process is dead`, and the other ranks' processes,
+whose group lost a member, fail theirs. Here a failed save takes this rank's process down and clears the global, so
+that the next save starts a new one on every rank (DCP fails a save on every rank together, so every rank does this
+after the same save; a new set agrees on a fresh port through the training's own group).
+
+It also says what happened: the errors torch reports (`RuntimeError: Checkpoint background process is dead. Exit code:
+None` on the rank whose process died, a gloo `Connection reset by peer` on the others) are not I/O errors, and would
+otherwise read as state that cannot be serialized, which would end the run.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+from perdure.checkpoints.save_errors import io_cause, killed_by
+from perdure.errors import CheckpointSaveError
+
+EXECUTOR_MODULE = "torch.distributed.checkpoint._async_process_executor"
+# What sending the state to the process raises for an object that cannot be pickled: the state's fault, for good.
+PICKLING_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
+
+
+def replace_after_failure(error: BaseException, rank: int) -> BaseException:
+    """Stop this rank's DCP checkpoint process after a failed save, so the next save starts a new one. Returns the
+    error to report: a `CheckpointSaveError` naming the process when it died or failed on its own (training may go
+    on), else `error` itself (an I/O error, or state that cannot be pickled)."""
+    module = sys.modules.get(EXECUTOR_MODULE)
+    holder = module._CHECKPOINT_PROCESS if module is not None and hasattr(module, "_CHECKPOINT_PROCESS") else None
+    if holder is None:  # never started (it failed before), or a torch without it: nothing to replace
+        return error
+    module._CHECKPOINT_PROCESS = None
+    process = holder._save_process
+    # One that died closed its pipe before the kernel had reaped it (torch saw `Exit code: None`): a second to finish.
+    process.join(timeout=1.0)
+    died = not process.is_alive()
+    if not died:
+        process.kill()  # alive, but its group may have lost a member: it could never save again
+        process.join(timeout=30)
+    if died:
+        how = f"was killed by {killer}" if (killer := killed_by(process.exitcode)) else f"exited ({process.exitcode})"
+        return CheckpointSaveError(
+            f"DCP's checkpoint process of rank {rank} (pid {process.pid}) {how}; the next save starts a new one on "
+            "every rank"
+        )
+    if io_cause(error) is not None or isinstance(error, PICKLING_ERRORS):
+        return error
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return CheckpointSaveError(
+        f"DCP's checkpoint process of rank {rank} failed ({type(error).__name__}: {first[:300]}); when another rank's "
+        "checkpoint process died, that rank's output says so. The next save starts a new one on every rank"
+    )
