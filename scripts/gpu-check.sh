@@ -32,7 +32,7 @@ steps=("$@")
 SUITE=(tests/test_resume.py tests/faults/test_kills.py tests/faults/test_signals.py tests/test_pending_losses.py
        tests/test_staging.py tests/test_device_path.py tests/test_determinism.py tests/test_examples.py
        tests/test_evaluation.py tests/test_compile.py tests/test_inspection.py tests/test_requeue.py
-       tests/test_corruption.py tests/test_sample_seeds.py)
+       tests/test_corruption.py tests/test_sample_seeds.py tests/test_writer_process_buffers.py)
 summary() { grep -E "FAILED|ERROR|passed|failed" "$1" | tail -40; }
 for step in "${steps[@]}"; do
   case "$step" in
