@@ -309,6 +309,7 @@ class StallRunner(Runner):
         self.loop_end: float | None = None
         self.save_calls: list[float] = []  # seconds the loop spent inside each save call (the snapshot's host side)
         self.pool = None
+        self.reserve_started: float | None = None  # when the buffers began to be made, in the background
         self.profile_steps: tuple[int, int] | None = None  # a torch.profiler trace of the steps in [first, last)
         self.profile_path: Path | None = None
         self.profiler: Any = None
@@ -328,6 +329,7 @@ class StallRunner(Runner):
         return gpt_loss(self.model, self.unpack_batch(batch))
 
     def _reserve_snapshot_buffers(self) -> None:
+        self.reserve_started = time.perf_counter()
         super()._reserve_snapshot_buffers()  # keep the pool, to say what its buffers cost
         if self.pool is None and self.config.ckpt.async_mode != "disabled":
             self.pool = self.checkpoints._async_saver().pool
@@ -378,6 +380,13 @@ def stall_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any
     # The first save of each set of host buffers (two sets on a GPU) may pay what a run pays once: buffers still being
     # made, a writer process receiving them for the first time. The saves after those show what every later one costs.
     pool = runner.pool
+    # What making the buffers in the background cost the steps it overlapped (those around a save excluded).
+    reserve_excess = None
+    if pool is not None and pool.reserve_seconds is not None and runner.reserve_started is not None:
+        window = (runner.reserve_started, runner.reserve_started + pool.reserve_seconds)
+        near_save = {i for s in save_steps for i in range(s - 2, s + 1)}
+        reserve_excess = sum(gap - typical for i, gap in enumerate(steps_between)
+                             if i not in near_save and window[0] <= ticks[i] < window[1])  # fmt: skip
     return {
         "mode": mode,
         # Host buffers made ahead of the saves (and in how long), and made by a save itself (time the loop paid).
@@ -386,6 +395,7 @@ def stall_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any
         else {
             "reserved_gb": pool.reserved_nbytes / 1e9,
             "reserve_s": pool.reserve_seconds,
+            "reserve_excess_s": reserve_excess,
             "on_demand_gb": pool.on_demand_nbytes / 1e9,
             "staged_on_device_gb": pool.staging.staged_on_device_nbytes / 1e9,
         },
