@@ -316,8 +316,13 @@ class RunnerConfig(chanfig.Config):
             raise ConfigError("config", file, "the file must hold a mapping of keys to values")
         known = set(self.known_keys())
         layer: dict[str, Any] = {}
+        written: dict[str, Any] | None = None  # the file's scalars as text, read when a name reads as a number
         for name, value in flatten(data).items():
             key = self._resolve_key(name, known, value)
+            if key in config_text.OPTIONAL_STR_KEYS and config_text.is_number(value):
+                # YAML typed it (`code_id: 0123456` is the octal 42798, `1e3` a float): the name is the text written.
+                written = written if written is not None else flatten(read_config_file(file, scalars_as_text=True))
+                value = written.get(name, value)
             layer[key] = config_text.coerce_value(key, value, self._current(key))
         return layer
 
@@ -536,10 +541,11 @@ def _lookup(mapping: Mapping[str, Any], key: str) -> Any:
     return value
 
 
-def read_config_file(file: str | os.PathLike, key: str = "config") -> Any:
+def read_config_file(file: str | os.PathLike, key: str = "config", scalars_as_text: bool = False) -> Any:
     """The data of a YAML or JSON config file, which may come from someone else: a regular file (never a FIFO or a
     device; a symlink the user named is fine), at most `MAX_YAML_BYTES`, nested and alias-expanded within bounds
-    (`safe_io.load_yaml`, `safe_io.loads_json`). Raises `ConfigError` naming `key` and the file."""
+    (`safe_io.load_yaml`, `safe_io.loads_json`). Raises `ConfigError` naming `key` and the file. `scalars_as_text`:
+    a YAML file's scalars as the text written (JSON's are typed by JSON itself)."""
     path = Path(file).expanduser()
     try:
         found = path.stat()  # a symlink the user named is followed
@@ -555,7 +561,7 @@ def read_config_file(file: str | os.PathLike, key: str = "config") -> Any:
     except (OSError, ValueError) as error:  # unreadable, a NUL byte or an over-long name
         raise ConfigError(key, str(file), f"cannot be read ({error})") from None
     try:
-        return loads_json(raw) if path.suffix == ".json" else load_yaml(raw)
+        return loads_json(raw) if path.suffix == ".json" else load_yaml(raw, scalars_as_text=scalars_as_text)
     except (ValueError, yaml.YAMLError) as error:
         raise ConfigError(key, str(file), f"cannot be read ({error}); fix the file") from None
 

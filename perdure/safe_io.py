@@ -145,10 +145,11 @@ def read_json(
     return loads_json(read_regular(path, limit, follow_symlinks=follow_symlinks), max_depth=max_depth)
 
 
-def load_yaml(text: str | bytes, *, max_nodes: int = MAX_YAML_NODES) -> Any:
+def load_yaml(text: str | bytes, *, max_nodes: int = MAX_YAML_NODES, scalars_as_text: bool = False) -> Any:
     """`yaml.safe_load(text)` that refuses (`yaml.YAMLError`) documents whose aliases expand to more than `max_nodes`
-    nodes (the "billion laughs"), recursive aliases, and nesting beyond Python's recursion limit."""
-    loader = yaml.SafeLoader(text)
+    nodes (the "billion laughs"), recursive aliases, and nesting beyond Python's recursion limit. `scalars_as_text`:
+    every scalar as the text written (`0755` stays `"0755"`, not 493), as `yaml.BaseLoader` reads it."""
+    loader = (yaml.BaseLoader if scalars_as_text else yaml.SafeLoader)(text)
     try:
         node = loader.get_single_node()
         if node is None:

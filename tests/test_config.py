@@ -165,6 +165,21 @@ def test_a_short_git_hash_that_reads_as_a_number_stays_the_code_id(short_hash):
     assert parse("--workspace.code_id", "none").workspace.code_id is None
 
 
+def test_a_name_in_a_config_file_that_yaml_reads_as_a_number_is_the_text_written(tmp_path):
+    """YAML types `0123456` as the octal 42798 and `1e3` as a float: a short git hash, a run id or a lineage written
+    in a config file was silently changed into another name (and so another run directory)."""
+    file = tmp_path / "names.yaml"
+    file.write_text("workspace:\n  code_id: 0123456\n  id: 1e3\n  lineage: 0755\nsteps: 7\n")
+    config = parse("--config", str(file))
+    assert (config.workspace.code_id, config.workspace.id, config.workspace.lineage) == ("0123456", "1e3", "0755")
+    assert config.steps == 7  # a number where the key holds one
+    dotted = tmp_path / "dotted.yaml"
+    dotted.write_text("workspace.code_id: 1234567\n")
+    assert parse("--config", str(dotted)).workspace.code_id == "1234567"
+    (tmp_path / "names.json").write_text('{"workspace": {"code_id": 1234567}}')
+    assert parse("--config", str(tmp_path / "names.json")).workspace.code_id == "1234567"
+
+
 def test_lists():
     assert parse("--optim.betas", "[0.8, 0.9]").optim.betas == [0.8, 0.9]
     assert parse("--optim.betas", "0.5,0").optim.betas == [0.5, 0.0]
