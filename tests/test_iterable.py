@@ -7,6 +7,8 @@ import pytest
 
 from perdure.data.iterable import NodeDataset
 from perdure.data.loader import ResumableLoader
+from perdure.data.sample_seeds import SEEDS_KEY, SeededStream
+from perdure.errors import CheckpointError
 from tests.runs import assert_all_ok, assert_same_weights, final_weights, read_losses, run_ranks
 from tests.scripts.resumable import ResumableRunner, StatelessStream, Stream, Synthetic, make_config
 
@@ -81,3 +83,32 @@ def test_a_torchdata_node_pipeline_is_a_resumable_dataset():
     again = ResumableLoader(IterableWrapper([samples[i] for i in range(40)]), batch_size=4, shuffle=False)
     again.restore(saved)
     assert next(iter(again.iter_epoch(0)))[0].equal(expected[0])
+
+
+def test_random_transforms_of_a_stream_read_by_workers_resume_exactly_after_a_kill(tmp_path):
+    """Each worker seeded its generators once, when it started: a resumed run's new workers drew from the start of
+    their streams of random numbers, so every sample after a resume got other noise (all 20 resumed losses differed)."""
+    args = (*ARGS, "--dataloader.num_workers", "2")
+    env = {"ITERABLE": "stateful", "AUGMENT": "1"}
+    reference = run_ranks(1, "resumable.py", tmp_path / "reference", *args, LOSS_LOG=str(tmp_path / "reference.jsonl"),
+                          **env)  # fmt: skip
+    assert_all_ok(reference)
+    killed = run_ranks(1, "resumable.py", tmp_path / "run", *args, KILL_AT_STEP="17", **env)
+    assert killed[0].returncode == -9
+    resumed = run_ranks(1, "resumable.py", tmp_path / "run", *args, LOSS_LOG=str(tmp_path / "rerun.jsonl"), **env)
+    assert_all_ok(resumed)
+    expected, losses = read_losses(tmp_path / "reference.jsonl"), read_losses(tmp_path / "rerun.jsonl")
+    assert min(losses)[1] == 10 and max(losses)[1] == 29
+    assert {position: expected[position] for position in losses} == losses
+    assert_same_weights(final_weights(tmp_path / "reference"), final_weights(tmp_path / "run"))
+
+
+def test_the_seeds_of_a_stream_worker_are_checked_and_an_older_state_still_loads():
+    stream = SeededStream(Stream(96, 1, 0, 1), seed=0, rank=0)
+    for seeds in ({"count": -1, "passes": 0}, {"count": "3", "passes": 0}, {"count": 1}, [1, 2]):
+        with pytest.raises(CheckpointError, match="stream seeds .* are not two non-negative counts"):
+            stream.load_state_dict({"stream": {"position": 0, "passes": 0}, SEEDS_KEY: seeds})
+    stream.load_state_dict({"position": 5, "passes": 2})  # the stream's own state, as perdure saved it before
+    assert (stream.dataset.position, stream.dataset.passes, stream.count, stream.passes) == (5, 2, 0, 0)
+    stream.load_state_dict({"stream": {"position": 7, "passes": 1}, SEEDS_KEY: {"count": 7, "passes": 1}})
+    assert stream.state_dict() == {"stream": {"position": 7, "passes": 1}, SEEDS_KEY: {"count": 7, "passes": 1}}

@@ -13,7 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from perdure.data.batch import batch_length
 from perdure.data.iterable import as_dataset, is_stateful
-from perdure.data.sample_seeds import SeededBatches
+from perdure.data.sample_seeds import SeededBatches, SeededStream
 from perdure.data.sampler import PERMUTATIONS, ResumableSampler
 from perdure.errors import CheckpointError
 from perdure.safe_io import safe_name
@@ -33,7 +33,8 @@ class ResumableLoader:
     (which holds the dataset's `state_dict`); one without state restarts (`perdure.data.iterable`). A torchdata.nodes
     pipeline is read as a `NodeDataset`. With worker processes, a map-style dataset is read through `SeededBatches`:
     a worker seeds its generators before each batch from the batch's position, so random transforms draw the same
-    after a resume (`perdure.data.sample_seeds`).
+    after a resume (`perdure.data.sample_seeds`); a stream with a position is read through `SeededStream`, which
+    seeds them before each sample from where it is in the worker's pass.
     """
 
     def __init__(
@@ -73,6 +74,8 @@ class ResumableLoader:
             )
             if num_workers > 0:
                 read = SeededBatches(dataset)
+        elif num_workers > 0 and is_stateful(dataset):
+            read = SeededStream(dataset, seed, rank)
         self.loader = StatefulDataLoader(
             read,
             batch_size=batch_size,

@@ -14,6 +14,12 @@ same batches, so per batch is enough for it to be exact.
 
 In the main process (`num_workers = 0`) nothing is reseeded: a transform draws from the run's own generators, which
 the checkpoint holds.
+
+A stream (an `IterableDataset` with a position) has no sampler to hand out seeds: each worker reads its own copy. So a
+worker seeds its generators before each sample from (seed, rank, worker, pass, the samples it yielded in this pass),
+and the count travels in the worker's state beside the stream's own (`SeededStream`): after a resume, each worker
+continues its count where its restored position is, and draws what the uninterrupted run drew there. Per sample here,
+since a worker's count is per sample (the ~15 us matter less beside a stream's own reading).
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import sys
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from perdure.errors import CheckpointError
+from perdure.safe_io import safe_name
 
 SEED_BITS = 62  # an epoch's base and a position each stay below 2**62, so base + position fits an int64
 
@@ -68,3 +77,59 @@ class SeededBatches(Dataset):
         if read_batch:
             return read_batch(indices)
         return [self.dataset[index] for index in indices]
+
+
+def stream_seed_base(seed: int, rank: int, worker: int, passes: int) -> int:
+    """The seed of a worker's first sample in a pass over its stream; its n-th sample gets base + n."""
+    digest = hashlib.blake2b(f"perdure-stream-seed:{seed}:{rank}:{worker}:{passes}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+
+
+SEEDS_KEY = "perdure_stream_seeds"  # in a worker's state, beside the stream's own under "stream"
+
+
+class SeededStream(IterableDataset):
+    """A stream with a position (`state_dict` / `load_state_dict`), read by worker processes: before each sample the
+    worker seeds its global generators from where the sample is in the worker's pass, and the worker's state holds
+    that count and pass beside the stream's own. The loader's workers only ever hold copies of it."""
+
+    def __init__(self, dataset: IterableDataset, seed: int, rank: int) -> None:
+        self.dataset, self.seed, self.rank = dataset, seed, rank
+        self.passes = 0  # passes this worker's copy has finished
+        self.count = 0  # samples it yielded in the pass under way
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        base = stream_seed_base(self.seed, self.rank, info.id if info is not None else 0, self.passes)
+        seed_global_generators(base + self.count)  # what the stream draws when it starts reading
+        iterator = iter(self.dataset)
+        while True:
+            seed_global_generators(base + self.count)
+            try:
+                sample = next(iterator)
+            except StopIteration:
+                break
+            self.count += 1
+            yield sample
+        self.count, self.passes = 0, self.passes + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        stream = self.dataset.state_dict()  # type: ignore[attr-defined]
+        return {"stream": stream, SEEDS_KEY: {"count": self.count, "passes": self.passes}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A state saved by this class; or the stream's own, saved before perdure seeded workers of streams (its
+        draws go on from the worker's first seed, as they did then)."""
+        if not isinstance(state, dict) or SEEDS_KEY not in state:
+            self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+            return
+        seeds = state[SEEDS_KEY]
+        if not isinstance(seeds, dict) or not all(
+            type(seeds.get(key)) is int and seeds[key] >= 0 for key in ("count", "passes")
+        ):
+            raise CheckpointError(
+                f"a data worker's stream seeds {safe_name(seeds)} are not two non-negative counts: the checkpoint is "
+                "not one perdure wrote"
+            )
+        self.dataset.load_state_dict(state["stream"])  # type: ignore[attr-defined]
+        self.count, self.passes = seeds["count"], seeds["passes"]

@@ -116,8 +116,8 @@ class Synthetic(Dataset):
 class StatelessStream(IterableDataset):
     """`Synthetic` as a stream: rank r of W reads samples r, r + W, ... in an order reshuffled at every pass."""
 
-    def __init__(self, size: int, seed: int, rank: int, world_size: int):
-        self.data = Synthetic(size, seed)
+    def __init__(self, size: int, seed: int, rank: int, world_size: int, augment: bool = False):
+        self.data = Synthetic(size, seed, augment)
         self.shard = list(range(rank, size, world_size))
         self.position = 0  # samples of this pass already yielded
         self.passes = 0
@@ -175,7 +175,8 @@ class ResumableRunner(Runner):
         self.datasets["train"] = Synthetic(train_size, seed=1, augment=os.environ.get("AUGMENT") == "1")
         if os.environ.get("ITERABLE"):
             stream = Stream if os.environ["ITERABLE"] == "stateful" else StatelessStream
-            self.datasets["train"] = stream(config.dataset_size, 1, self.rank, self.world_size)
+            augment = os.environ.get("AUGMENT") == "1"
+            self.datasets["train"] = stream(config.dataset_size, 1, self.rank, self.world_size, augment)
         val_size = int(os.environ.get("VAL_SIZE", "40"))
         self.datasets["val"] = Synthetic(val_size, seed=2)
         if os.environ.get("VAL_ITERABLE") == "1":
