@@ -4,6 +4,8 @@ state is warned about and restarts its stream."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils.data import IterableDataset
 
 from perdure.data.iterable import NodeDataset
 from perdure.data.loader import ResumableLoader
@@ -112,3 +114,37 @@ def test_the_seeds_of_a_stream_worker_are_checked_and_an_older_state_still_loads
     assert (stream.dataset.position, stream.dataset.passes, stream.count, stream.passes) == (5, 2, 0, 0)
     stream.load_state_dict({"stream": {"position": 7, "passes": 1}, SEEDS_KEY: {"count": 7, "passes": 1}})
     assert stream.state_dict() == {"stream": {"position": 7, "passes": 1}, SEEDS_KEY: {"count": 7, "passes": 1}}
+
+
+class Noisy(IterableDataset):
+    """Eight samples per pass, each a draw from torch's global generator (a random transform's noise)."""
+
+    def __init__(self):
+        self.position = 0
+
+    def __iter__(self):
+        while self.position < 8:
+            self.position += 1
+            yield torch.rand(())
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_workers_of_a_stream_draw_anew_each_epoch_and_alike_for_the_same_epoch():
+    """Each epoch starts new workers from the dataset as the main process holds it (a copy whose pass never
+    advanced): seeded from the run's seed alone, every epoch would repeat the first one's noise."""
+
+    def epochs(loader):
+        return [torch.cat(list(loader.iter_epoch(epoch))) for epoch in range(3)]
+
+    first = epochs(ResumableLoader(Noisy(), batch_size=4, shuffle=False, num_workers=2, seed=5))
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+    again = epochs(ResumableLoader(Noisy(), batch_size=4, shuffle=False, num_workers=2, seed=5))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    other_rank = epochs(ResumableLoader(Noisy(), batch_size=4, shuffle=False, num_workers=2, seed=5, rank=1))
+    assert not torch.equal(first[0], other_rank[0])

@@ -16,7 +16,8 @@ In the main process (`num_workers = 0`) nothing is reseeded: a transform draws f
 the checkpoint holds.
 
 A stream (an `IterableDataset` with a position) has no sampler to hand out seeds: each worker reads its own copy. So a
-worker seeds its generators before each sample from (seed, rank, worker, pass, the samples it yielded in this pass),
+worker seeds its generators before each sample from (its worker seed, which follows from (seed, epoch) and the worker's
+id; rank; pass; the samples it yielded in this pass),
 and the count travels in the worker's state beside the stream's own (`SeededStream`): after a resume, each worker
 continues its count where its restored position is, and draws what the uninterrupted run drew there. Per sample here,
 since a worker's count is per sample (the ~15 us matter less beside a stream's own reading).
@@ -79,9 +80,12 @@ class SeededBatches(Dataset):
         return [self.dataset[index] for index in indices]
 
 
-def stream_seed_base(seed: int, rank: int, worker: int, passes: int) -> int:
-    """The seed of a worker's first sample in a pass over its stream; its n-th sample gets base + n."""
-    digest = hashlib.blake2b(f"perdure-stream-seed:{seed}:{rank}:{worker}:{passes}".encode(), digest_size=8).digest()
+def stream_seed_base(worker_seed: int, rank: int, passes: int) -> int:
+    """The seed of a worker's first sample in a pass over its stream; its n-th sample gets base + n. `worker_seed` is
+    the seed torch gave the worker (the loader's base seed, which perdure draws from (seed, epoch) at each epoch, plus
+    the worker's id): each epoch starts new workers from the dataset as it is in the main process, and its draws must
+    not repeat the last epoch's."""
+    digest = hashlib.blake2b(f"perdure-stream-seed:{worker_seed}:{rank}:{passes}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
 
 
@@ -100,7 +104,7 @@ class SeededStream(IterableDataset):
 
     def __iter__(self) -> Any:
         info = get_worker_info()
-        base = stream_seed_base(self.seed, self.rank, info.id if info is not None else 0, self.passes)
+        base = stream_seed_base(info.seed if info is not None else self.seed, self.rank, self.passes)
         seed_global_generators(base + self.count)  # what the stream draws when it starts reading
         iterator = iter(self.dataset)
         while True:
