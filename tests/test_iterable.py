@@ -148,3 +148,31 @@ def test_workers_of_a_stream_draw_anew_each_epoch_and_alike_for_the_same_epoch()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     other_rank = epochs(ResumableLoader(Noisy(), batch_size=4, shuffle=False, num_workers=2, seed=5, rank=1))
     assert not torch.equal(first[0], other_rank[0])
+
+
+class Reshuffled(Noisy):
+    """A stream whose order is a function of the epoch it is told (`set_epoch`), as Hugging Face streaming datasets."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(8, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        while self.position < 8:
+            self.position += 1
+            yield torch.tensor(order[self.position - 1])
+        self.position = 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_with_set_epoch_is_told_each_epoch_also_in_its_workers(workers):
+    """Each epoch's workers start from the stream as the main process holds it: a pass counter of its own never
+    advances there, so perdure tells it the epoch, in the main process, before each epoch."""
+    loader = ResumableLoader(Reshuffled(), batch_size=8, shuffle=False, num_workers=workers)
+    orders = [torch.cat(list(loader.iter_epoch(epoch))).tolist() for epoch in range(3)]
+    expected = [torch.randperm(8, generator=torch.Generator().manual_seed(epoch)).tolist() for epoch in range(3)]
+    assert orders == [order * max(workers, 1) for order in expected]  # each worker reads the whole (unsharded) stream

@@ -5,12 +5,17 @@ StatefulDataLoader asks it for its state with every checkpoint (each rank for it
 file) and gives it back before the resumed run's first `iter()`. Its `__iter__` must then continue from that state,
 and start the next pass when a pass is over. A stream without state cannot say where it was: a resume restarts it
 from its beginning (its first samples are seen again), and perdure says so when the runner is built.
+
+With worker processes, each epoch's workers start from the stream as the main process holds it, which never read a
+sample: a pass counter the stream keeps itself stays at 0 there, so a stream that reshuffles per pass would read the
+same order every epoch. A stream with `set_epoch(epoch)` is told the epoch before each `iter()`, in the main process
+(whose copy the workers get), with or without workers.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch.utils.data import Dataset, IterableDataset
 
@@ -22,6 +27,14 @@ logger = logging.getLogger("perdure")
 def is_stateful(dataset: Any) -> bool:
     """Whether `dataset` can report and take back its position (`state_dict` and `load_state_dict` methods)."""
     return isinstance(dataset, Stateful)
+
+
+@runtime_checkable
+class EpochAware(Protocol):
+    """A stream told which epoch begins (`set_epoch`, the convention of torch's DistributedSampler and of Hugging Face
+    streaming datasets), before each epoch's `iter()`."""
+
+    def set_epoch(self, epoch: int) -> None: ...
 
 
 def is_node(dataset: Any) -> bool:

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from perdure.data.batch import batch_length
-from perdure.data.iterable import as_dataset, is_stateful
+from perdure.data.iterable import EpochAware, as_dataset, is_stateful
 from perdure.data.sample_seeds import SeededBatches, SeededStream
 from perdure.data.sampler import PERMUTATIONS, ResumableSampler
 from perdure.errors import CheckpointError
@@ -112,7 +112,9 @@ class ResumableLoader:
         self.generator.manual_seed(self.seed * 1_000_003 + epoch)
         if self.sampler is not None:
             self.sampler.set_epoch(epoch, samples_done, limit)
-        elif self._iterable_state is not None:
+        elif isinstance(self.dataset, EpochAware):  # before the loader copies it into its workers
+            self.dataset.set_epoch(epoch)
+        if self.sampler is None and self._iterable_state is not None:
             self.loader.load_state_dict(self._iterable_state)
             self._iterable_state = None
         return iter(self.loader)
