@@ -16,11 +16,11 @@ In the main process (`num_workers = 0`) nothing is reseeded: a transform draws f
 the checkpoint holds.
 
 A stream (an `IterableDataset` with a position) has no sampler to hand out seeds: each worker reads its own copy. So a
-worker seeds its generators before each sample from (its worker seed, which follows from (seed, epoch) and the worker's
-id; rank; pass; the samples it yielded in this pass),
-and the count travels in the worker's state beside the stream's own (`SeededStream`): after a resume, each worker
-continues its count where its restored position is, and draws what the uninterrupted run drew there. Per sample here,
-since a worker's count is per sample (the ~15 us matter less beside a stream's own reading).
+worker seeds its generators before each sample from its worker seed (which follows from (seed, epoch) and the worker's
+id), the rank, and the samples it yielded in this pass; the count travels in the worker's state beside the stream's
+own (`SeededStream`). After a resume each worker continues its count where its restored position is, and draws what
+the uninterrupted run drew there. Per sample here, since a worker's count is per sample (the ~15 us matter less beside
+a stream's own reading).
 """
 
 from __future__ import annotations
