@@ -38,16 +38,14 @@ def replace_after_failure(error: BaseException, rank: int) -> BaseException:
     process = holder._save_process
     # One that died closed its pipe before the kernel had reaped it (torch saw `Exit code: None`): a second to finish.
     process.join(timeout=1.0)
-    died = not process.is_alive()
-    if not died:
-        process.kill()  # alive, but its group may have lost a member: it could never save again
-        process.join(timeout=30)
-    if died:
+    if not process.is_alive():
         how = f"was killed by {killer}" if (killer := killed_by(process.exitcode)) else f"exited ({process.exitcode})"
         return CheckpointSaveError(
             f"DCP's checkpoint process of rank {rank} (pid {process.pid}) {how}; the next save starts a new one on "
             "every rank"
         )
+    process.kill()  # alive, but its group may have lost a member: it could never save again
+    process.join(timeout=30)
     if io_cause(error) is not None or isinstance(error, PICKLING_ERRORS):
         return error
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
