@@ -42,7 +42,12 @@ SEED_BITS = 62  # an epoch's base and a position each stay below 2**62, so base 
 def epoch_seed_base(seed: int, epoch: int) -> int:
     """The seed of an epoch's position 0; position p gets base + p. A hash, so that epochs (and runs with other seeds)
     do not share seeds at nearby positions."""
-    digest = hashlib.blake2b(f"perdure-sample-seed:{seed}:{epoch}".encode(), digest_size=8).digest()
+    return _hashed_seed(f"perdure-sample-seed:{seed}:{epoch}")
+
+
+def _hashed_seed(text: str) -> int:
+    """A seed below 2**SEED_BITS from a hash of `text`."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
 
 
@@ -85,8 +90,7 @@ def stream_seed_base(worker_seed: int, rank: int, passes: int) -> int:
     the seed torch gave the worker (the loader's base seed, which perdure draws from (seed, epoch) at each epoch, plus
     the worker's id): each epoch starts new workers from the dataset as it is in the main process, and its draws must
     not repeat the last epoch's."""
-    digest = hashlib.blake2b(f"perdure-stream-seed:{worker_seed}:{rank}:{passes}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+    return _hashed_seed(f"perdure-stream-seed:{worker_seed}:{rank}:{passes}")
 
 
 SEEDS_KEY = "perdure_stream_seeds"  # in a worker's state, beside the stream's own under "stream"
