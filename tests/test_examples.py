@@ -1,7 +1,8 @@
 """The examples run as a user runs them: `examples/mlp.py` trains, resumes and extends; `examples/demo.py` shows a
 SIGKILLed run resuming to bit-identical weights; `examples/nanogpt_char.py` (compiled) and `examples/stream_tokens.py`
 (an IterableDataset) resume bit for bit after a SIGKILL; every preset in `configs/` loads into its example;
-`examples/ft_local.py` kills a TorchFT replica group and heals it."""
+`examples/ft_local.py` kills a TorchFT replica group and heals it; `examples/self_distill.py` resumes a teacher of its
+own bit for bit."""
 
 from __future__ import annotations
 
@@ -185,6 +186,28 @@ def test_stream_tokens_resumes_its_stream_where_it_was(tmp_path):
     expected = torch.load(one_run_dir(reference) / "model.pth", weights_only=True)
     final = torch.load(run_path / "model.pth", weights_only=True)
     assert all(torch.equal(expected[key], final[key]) for key in expected)
+
+
+# ---------------------------------------------------------------------- self_distill: state of the program's own
+
+DISTILL_ARGS = ("--steps", "120", "--ckpt.interval", "20", "--log.interval", "20", "--ckpt.async_mode", "thread")
+
+
+def test_self_distill_resumes_its_teacher_bit_for_bit(tmp_path):
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    run("self_distill.py", "--workspace.root", str(reference), *DISTILL_ARGS)
+    kill_after(start("self_distill.py", "--workspace.root", str(interrupted), *DISTILL_ARGS, "--steps", "4000"),
+               interrupted, "*/*/checkpoints/ckpt-s000000000040/manifest.json")  # fmt: skip
+    resumed = run("self_distill.py", "--workspace.root", str(interrupted), *DISTILL_ARGS)
+    assert "resuming from" in resumed.stdout and "holds no" not in resumed.stdout
+    run_path, reference_path = one_run_dir(interrupted), one_run_dir(reference)
+    manifest = (run_path / "checkpoints" / "ckpt-s000000000040" / "manifest.json").read_text()
+    assert '"teacher"' in manifest
+    assert losses(run_path) == losses(reference_path)
+    for name in ("model.pth", "teacher.pth"):  # the student, and the teacher that follows it
+        expected = torch.load(reference_path / name, weights_only=True)
+        final = torch.load(run_path / name, weights_only=True)
+        assert expected.keys() == final.keys() and all(torch.equal(expected[k], final[k]) for k in expected), name
 
 
 # ---------------------------------------------------------------------- configs/: every preset loads

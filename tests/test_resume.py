@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tests.runs import assert_ok, assert_same_weights, final_weights, read_losses, run, run_dir, run_until_killed
 
@@ -40,8 +41,21 @@ def test_sigkill_and_rerun_is_bit_exact(tmp_path, name):
     args, checkpoint = SCENARIOS[name]
     # With workers, a random transform in them (noise from torch, random and numpy) draws the same after the resume.
     augment = {"AUGMENT": "1"} if "workers" in name else {}
+    # A momentum teacher of the user's own (`self.checkpointed`), updated after each step: saved and restored too.
+    if name in ("async-thread", "bf16-accum"):
+        augment["TEACHER"] = "1"
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
-    assert_ok(run("resumable.py", reference, *args, **augment, LOSS_LOG=tmp_path / "reference.jsonl"))
+    finals = {"reference": tmp_path / "reference.pt", "interrupted": tmp_path / "interrupted.pt"}
+    assert_ok(
+        run(
+            "resumable.py",
+            reference,
+            *args,
+            **augment,
+            LOSS_LOG=tmp_path / "reference.jsonl",
+            FINAL_STATE=finals["reference"],
+        )
+    )
 
     delay = random.Random(name).uniform(0.0, 0.15)
     killed = run_until_killed(
@@ -57,7 +71,14 @@ def test_sigkill_and_rerun_is_bit_exact(tmp_path, name):
     assert killed.returncode == -9
     assert not (run_dir(interrupted) / "model.pth").exists(), "the kill landed after training finished"
 
-    rerun = run("resumable.py", interrupted, *args, **augment, LOSS_LOG=tmp_path / "rerun.jsonl")
+    rerun = run(
+        "resumable.py",
+        interrupted,
+        *args,
+        **augment,
+        LOSS_LOG=tmp_path / "rerun.jsonl",
+        FINAL_STATE=finals["interrupted"],
+    )
     assert_ok(rerun)
     assert "resuming from" in rerun.stdout
 
@@ -69,5 +90,10 @@ def test_sigkill_and_rerun_is_bit_exact(tmp_path, name):
         assert expected[position] == loss, f"loss at (epoch, step, micro) {position} differs after the resume"
     assert max(resumed) == max(expected)
     assert_same_weights(final_weights(reference), final_weights(interrupted))
+    if "TEACHER" in augment:
+        expected_teacher, resumed_teacher = (torch.load(finals[key])["teacher"] for key in ("reference", "interrupted"))
+        assert resumed_teacher["updates"] == expected_teacher["updates"] > 0
+        assert torch.equal(resumed_teacher["center"], expected_teacher["center"])
+        assert_same_weights(resumed_teacher["net"], expected_teacher["net"])
     if "--ema.enabled" in args:
         assert_same_weights(final_weights(reference, "model-ema.pth"), final_weights(interrupted, "model-ema.pth"))

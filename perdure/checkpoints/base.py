@@ -203,7 +203,7 @@ class CheckpointManager(ABC):
             name=name,
             replicated=replicated,
             local=local,
-            meta={**self.identity, **meta, "backend": self.backend, "world_size": self.world_size},
+            meta={**self.identity, **meta, "backend": self.backend, "world_size": self.world_size, "states": [*states]},
             is_best=is_best,
             texts=dict(texts or {}),
             persistent=persistent,
@@ -391,6 +391,8 @@ class CheckpointManager(ABC):
     def load(self, info: CheckpointInfo, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
         """Restore every object from a verified checkpoint, in the mappings' order. Returns False when the checkpoint
         holds no rank-local state for this rank (it was written by fewer ranks)."""
+        if self.rank == 0:
+            _warn_unmatched_states(info, states)
         found = self._reader(info).read(info.path, states, local_states)
         if info.path.parent.resolve() == self.root.resolve():
             self.resumed_from = info.name
@@ -491,3 +493,25 @@ class CheckpointManager(ABC):
 def _write_text_file(path: Path, text: str) -> FileRecord:
     data = text.encode()
     return write_file(path, lambda f: f.write(data))
+
+
+def _warn_unmatched_states(info: CheckpointInfo, states: Mapping[str, Stateful]) -> None:
+    """Say which objects a restore leaves alone: one the runner saves that the checkpoint lacks (code that saves a new
+    object resumed an older checkpoint) keeps the state it was built with; one the checkpoint holds that the runner no
+    longer saves is not read. A checkpoint whose manifest lists no `states` (written before it did) is not checked."""
+    stored = info.manifest.get("states")
+    if not isinstance(stored, list):
+        return
+    if missing := [key for key in states if key not in stored]:
+        one = len(missing) == 1
+        logger.warning(
+            "checkpoint %s holds no %s: the code that wrote it did not save %s, so %s the state this run built",
+            info.path,
+            ", ".join(repr(key) for key in missing),
+            "it" if one else "them",
+            "it keeps" if one else "they keep",
+        )
+    if unread := [safe_name(key) for key in stored if key not in states]:
+        logger.warning(
+            "checkpoint %s holds %s, which this runner does not save or restore: not read", info.path, ", ".join(unread)
+        )

@@ -309,6 +309,11 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         value = manifest.get(key)
         if (value is not None or key == "name") and (isinstance(value, bool) or not isinstance(value, kinds)):
             raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} field '{key}' has the wrong type")
+    states = manifest.get("states")
+    if states is not None and (
+        len(states) > MAX_STATE_NAMES or not all(isinstance(name, str) and 0 < len(name) <= 64 for name in states)
+    ):
+        raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} field 'states' is not a list of names")
     files = manifest["files"]
     if not isinstance(files, dict):
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} 'files' is not an object")
@@ -334,7 +339,9 @@ _MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
     "code_id": (str,),
     "reason": (str,),
     "score": (int, float),
+    "states": (list,),
 }
+MAX_STATE_NAMES = 1024
 
 
 def verify_checkpoint(ckpt_dir: Path, *, deep: bool = True, check_name: bool = True) -> dict[str, Any]:

@@ -54,8 +54,8 @@ def save_failure(error: BaseException, *, name: str, root: Path, needed: int = 0
     if cause is None and not isinstance(error, CheckpointError):
         failure: CheckpointError = CheckpointStateError(
             f"checkpoint {name} could not be written: its state cannot be serialized ({_first_line(error)}). "
-            "Everything a checkpoint holds (the model, optimizer, scheduler, EMA, the objects extra_states() and "
-            "checkpoint_states() return) must be tensors and plain data that torch.save can write"
+            "Everything a checkpoint holds (the model, optimizer, scheduler, EMA, your self.checkpointed objects, what "
+            "extra_states() and checkpoint_states() return) must be tensors and plain data that torch.save can write"
         )
     elif cause is None:
         failure = CheckpointSaveError(_first_line(error))

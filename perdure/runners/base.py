@@ -111,6 +111,8 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         self.scheduler = None
         self.ema: ExponentialMovingAverage | None = None
         self.datasets: dict[str, Any] = {}
+        # The user's own objects with state_dict / load_state_dict, saved and restored after the runner's own.
+        self.checkpointed: dict[str, Stateful] = {}
         self.dataloaders: dict[str, ResumableLoader] = {}
         self.is_best = False
         self.save_failures: list[str] = []
@@ -167,6 +169,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         """Called once after the user's `__init__`: fill in defaults, place the model, build loaders, restore."""
         if self.model is None:
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.model before it returns")
+        self._check_checkpointed()
         # The model was initialised from `seed` on every rank alike; from here on each rank draws its own stream
         # (dropout masks differ across ranks; rank 0 keeps the stream of a single-process run).
         stream = self.random_stream()
@@ -241,7 +244,9 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
     def optimizer_step(self) -> bool:
         """Unscale, check, clip and step the optimizer; return False when the step was skipped as non-finite.
 
-        Called once per accumulation window. Must leave gradients zeroed (or None) either way.
+        Called once per accumulation window. Must leave gradients zeroed (or None) either way. A user's runner may
+        extend it to update objects of its own after the step (a momentum teacher, a target network): call
+        `super().optimizer_step()` first, act only when it returned True, and put those objects in `self.checkpointed`.
         """
 
     def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:

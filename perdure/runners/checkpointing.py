@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from contextvars import ContextVar
 from pathlib import Path
@@ -17,7 +18,7 @@ from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.snapshot import storage_key
 from perdure.checkpoints.source import RestoreSource
 from perdure.config import RunnerConfig
-from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError
+from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError, PerdureError
 from perdure.loggers.console import get_logger
 from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
 from perdure.runners.export import export_weights, read_weights, save_safetensors
@@ -32,6 +33,13 @@ if TYPE_CHECKING:
     from perdure.runners.base import BaseRunner
 
 
+# The names of the runner's own objects, replicated and rank-local, on every stack: not for `self.checkpointed`.
+RUNNER_STATE_NAMES = frozenset(
+    {"state", "model", "ema", "optimizer", "scheduler", "scaler", "engine", "ft", "data", "rng"}
+)
+USER_STATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # no dots: DCP keys are `name.` + the object's keys
+
+
 class CheckpointingMixin:
     """The runner's side of the checkpoint contract: which objects go in (and in what order they come back), when a
     position counts as saved, failures, exports, and the `from_checkpoint` / `from_pretrained` constructors. Part of
@@ -40,7 +48,8 @@ class CheckpointingMixin:
     _snapshot_buffers_reserved = False  # by the first optimizer step of the attempt
 
     def checkpoint_states(self) -> dict[str, Stateful]:
-        """Replicated objects, in restore order: state, model, EMA, optimizer, scheduler, then the stack's extras."""
+        """Replicated objects, in restore order: state, model, EMA, optimizer, scheduler, the stack's extras, then the
+        user's own (`self.checkpointed`)."""
         states: dict[str, Stateful] = {"state": self.state, "model": self.unwrap_model()}
         if self.ema is not None:
             states["ema"] = self.ema
@@ -48,7 +57,31 @@ class CheckpointingMixin:
         if self.scheduler is not None:
             states["scheduler"] = self.scheduler
         states.update(self.extra_states())
+        for key, state in self.checkpointed.items():
+            if key in states:  # a stack's own name, which `_check_checkpointed` does not know of
+                raise PerdureError(_name_taken(key))
+            states[key] = state
         return states
+
+    def _check_checkpointed(self) -> None:
+        """In `__post_init__`, before anything is restored: the user's own objects (`self.checkpointed`) have names a
+        checkpoint can hold and can be saved and restored."""
+        for key, state in self.checkpointed.items():
+            if not isinstance(key, str) or not USER_STATE_NAME.fullmatch(key):
+                raise PerdureError(
+                    f"self.checkpointed[{key!r}]: a name is a Python identifier of at most 64 characters (letters, "
+                    "digits, underscores), e.g. 'teacher'"
+                )
+            if key in RUNNER_STATE_NAMES:
+                raise PerdureError(_name_taken(key))
+            missing = [name for name in ("state_dict", "load_state_dict") if not callable(getattr(state, name, None))]
+            if missing:
+                raise PerdureError(
+                    f"self.checkpointed[{key!r}]: an object of type {type(state).__name__} has no "
+                    f"{' or '.join(name + '()' for name in missing)}; give an "
+                    "object with both (an nn.Module, an optimizer, or a class of your own whose state_dict() returns "
+                    "tensors and plain data)"
+                )
 
     def checkpoint_local_states(self) -> dict[str, Stateful]:
         """Rank-local objects, restored after everything else: data position, then the RNGs."""
@@ -371,3 +404,10 @@ class _DataPosition:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.runner.dataloaders["train"].restore(state["train"])
+
+
+def _name_taken(key: str) -> str:
+    return (
+        f"self.checkpointed[{key!r}]: the runner saves an object of its own as {key!r}; choose another name, "
+        f"e.g. 'my_{key}'"
+    )

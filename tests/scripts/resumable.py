@@ -31,6 +31,8 @@ Environment knobs (tests only):
                 (a path), and a writer started after it finds the file and runs clean
   SETUP_FAIL    "model": the runner's __init__ raises while building the model (a failed setup)
   UNSAVEABLE    checkpoints carry a user object that torch.save cannot serialize
+  TEACHER       "1": a momentum teacher of the user's own (`self.checkpointed["teacher"]`), updated after every
+                optimizer step with a draw from torch's generator; FINAL_STATE then holds its state too
   NAN_AT_STEP   the loss of the first micro-batch at this global step is NaN (on rank NAN_RANK only, default every rank)
   GATHERED_WEIGHTS  stack=deepspeed: after training, rank 0 saves the engine's fp32 weights gathered from every rank
                 (`safe_get_full_fp32_param`) to this path
@@ -45,6 +47,7 @@ Environment knobs (tests only):
 """
 
 import contextlib
+import copy
 import errno
 import json
 import multiprocessing
@@ -161,6 +164,30 @@ class Unsaveable:
         pass
 
 
+class MomentumTeacher:
+    """A user object the runner knows nothing of: a copy of the model that follows it, and a running centre."""
+
+    def __init__(self, model: nn.Module):
+        self.net = copy.deepcopy(model).requires_grad_(False)
+        self.center = torch.zeros(2)
+        self.updates = 0
+
+    def update(self, model: nn.Module) -> None:
+        with torch.no_grad():
+            for mine, theirs in zip(self.net.parameters(), model.parameters()):
+                mine.lerp_(theirs.detach().to(mine.device), 0.1)
+            self.center.mul_(0.9).add_(torch.rand(2), alpha=0.1)
+        self.updates += 1
+
+    def state_dict(self):
+        return {"net": self.net.state_dict(), "center": self.center, "updates": self.updates}
+
+    def load_state_dict(self, state):
+        self.net.load_state_dict(state["net"])
+        self.center.copy_(state["center"])
+        self.updates = state["updates"]
+
+
 class ResumableRunner(Runner):
     def __init__(self, config):
         super().__init__(config)
@@ -171,6 +198,9 @@ class ResumableRunner(Runner):
             nn.Linear(16, config.width), nn.ReLU(), *hidden, nn.Dropout(config.dropout), nn.Linear(config.width, 2)
         )
         self.criterion = nn.CrossEntropyLoss()
+        self.teacher = MomentumTeacher(self.model) if os.environ.get("TEACHER") == "1" else None
+        if self.teacher is not None:
+            self.checkpointed["teacher"] = self.teacher
         train_size = config.dataset_size + int(os.environ.get("TRAIN_EXTRA", "0"))
         self.datasets["train"] = Synthetic(train_size, seed=1, augment=os.environ.get("AUGMENT") == "1")
         if os.environ.get("ITERABLE"):
@@ -202,6 +232,12 @@ class ResumableRunner(Runner):
         if os.environ.get("UNSAVEABLE"):
             states["user"] = Unsaveable()
         return states
+
+    def optimizer_step(self):
+        stepped = super().optimizer_step()
+        if stepped and self.teacher is not None:
+            self.teacher.update(self.unwrap_model())
+        return stepped
 
     def train_step(self, batch):
         self._steps_here += 1
@@ -246,7 +282,10 @@ def save_final_state(runner) -> None:
 
         model = local_shards(runner.unwrap_model().state_dict())
         optimizer = local_shards(runner.optimizer.state_dict())
-        torch.save({"model": model, "optimizer": optimizer, "step": runner.global_step}, path)
+        state = {"model": model, "optimizer": optimizer, "step": runner.global_step}
+        if runner.teacher is not None:
+            state["teacher"] = runner.teacher.state_dict()
+        torch.save(state, path)
 
 
 def install_fault(spec: str) -> None:
