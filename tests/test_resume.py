@@ -27,6 +27,13 @@ SCENARIOS = {
         ["--epochs", "4", "--ckpt.interval_steps", "4", "--ckpt.async_mode", "process"],
         "ckpt-s*",
     ),
+    # a collate of the program's own whose batches are one flat row (a sampler-free count would be wrong): epochs
+    # end and the position is saved where they really are; with workers its random masks draw the same after a resume
+    "packed-epochs": (["--epochs", "3", "--ckpt.interval_steps", "4"], "ckpt-s000000000008"),
+    "packed-epochs-workers": (
+        ["--epochs", "3", "--ckpt.interval_steps", "4", "--dataloader.num_workers", "2"],
+        "ckpt-s000000000008",
+    ),
     # bf16 autocast with gradient accumulation over a partial last window, EMA and clipping
     "bf16-accum": (
         ["--steps", "24", "--precision", "bf16", "--accum_steps", "3"]
@@ -44,6 +51,8 @@ def test_sigkill_and_rerun_is_bit_exact(tmp_path, name):
     # A momentum teacher of the user's own (`self.checkpointed`), updated after each step: saved and restored too.
     if name in ("async-thread", "bf16-accum"):
         augment["TEACHER"] = "1"
+    if name.startswith("packed"):
+        augment["PACKED"] = "1"
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     finals = {"reference": tmp_path / "reference.pt", "interrupted": tmp_path / "interrupted.pt"}
     assert_ok(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -87,6 +89,7 @@ class ResumableLoader:
             collate_fn=collate_fn,
         )
         self._iterable_state: dict[str, Any] | None = None
+        self._yielded: collections.deque[int] = collections.deque()  # samples of each batch yielded, not yet taken
         self.restored_samples: int | None = None  # the map-style dataset's length when the restored position was saved
 
     @property
@@ -102,9 +105,12 @@ class ResumableLoader:
             return per_rank * self.world_size
         return self.sampler.total_size
 
-    def global_samples(self, batch: Any) -> int:
-        """Samples one batch of this rank stands for across all ranks (every rank reads batches of equal size)."""
-        return batch_length(batch) * self.world_size
+    def take_samples(self, batches: int) -> int:
+        """This rank's samples in the next `batches` batches the current epoch's iterator yielded (in order; each is
+        taken once). A map-style dataset's are counted from the sampler, as its batches were cut, whatever a
+        `collate_fn` makes of them (sequences packed into one row, say); a stream's are its batches' leading
+        dimension."""
+        return sum(self._yielded.popleft() for _ in range(batches))
 
     def iter_epoch(self, epoch: int, samples_done: int = 0, limit: int | None = None) -> Iterator[Any]:
         """An iterator over epoch `epoch` that skips the `samples_done` samples all ranks together consumed and, with
@@ -117,7 +123,24 @@ class ResumableLoader:
         if self.sampler is None and self._iterable_state is not None:
             self.loader.load_state_dict(self._iterable_state)
             self._iterable_state = None
-        return iter(self.loader)
+        self._yielded.clear()
+        return self._counted(iter(self.loader), self._batch_sizes())
+
+    def _batch_sizes(self) -> Iterator[int] | None:
+        """The sizes of the batches the epoch just set yields this rank, as torch's batch sampler cuts its indices;
+        None for a stream."""
+        if self.sampler is None:
+            return None
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        return itertools.chain(
+            itertools.repeat(self.batch_size, full), [rest] if rest and not self.loader.drop_last else []
+        )
+
+    def _counted(self, batches: Iterator[Any], sizes: Iterator[int] | None) -> Iterator[Any]:
+        for batch in batches:
+            size = next(sizes, None) if sizes is not None else None
+            self._yielded.append(batch_length(batch) if size is None else size)
+            yield batch
 
     def position(self, epoch: int, samples_done: int) -> dict[str, Any]:
         """The rank-local data position to checkpoint, for an epoch and the samples of it all ranks consumed."""

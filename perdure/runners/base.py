@@ -111,6 +111,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         self.scheduler = None
         self.ema: ExponentialMovingAverage | None = None
         self.datasets: dict[str, Any] = {}
+        self.collate_fns: dict[str, Callable[[list[Any]], Any]] = {}  # per split: how samples become a batch
         # The user's own objects with state_dict / load_state_dict, saved and restored after the runner's own.
         self.checkpointed: dict[str, Stateful] = {}
         self.dataloaders: dict[str, ResumableLoader] = {}
@@ -496,7 +497,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         if not self.commit_step():
             self.optimizer.zero_grad(set_to_none=True)
             return False
-        samples = sum(loader.global_samples(batch) for batch in window)
+        samples = loader.take_samples(len(window)) * loader.world_size  # every rank reads batches of equal size
         self.state.samples_in_epoch += samples
         self.meter.add(samples, window)
         stepped = self.optimizer_step()

@@ -14,9 +14,21 @@ class DataSetupMixin:
     uses the runner's `config`, `datasets`, `dataloaders` and the stack's `data_shard` / `data_parallel_rank`."""
 
     def build_dataloaders(self) -> None:
-        """One ResumableLoader per dataset the user assigned; per-split options from `dataloader.<split>.*`."""
+        """One ResumableLoader per dataset the user assigned; per-split options from `dataloader.<split>.*`, and the
+        split's `collate_fns` entry (torch's default collation without one)."""
         if "train" not in self.datasets:
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.datasets['train']")
+        for split, collate in self.collate_fns.items():
+            if split not in self.datasets:
+                known = ", ".join(repr(name) for name in self.datasets)
+                raise PerdureError(
+                    f"self.collate_fns[{split!r}]: no dataset is named {split!r}; the splits are {known}"
+                )
+            if not callable(collate):
+                raise PerdureError(
+                    f"self.collate_fns[{split!r}]: a {type(collate).__name__} is not callable; give a function that "
+                    "makes a batch of a list of samples"
+                )
         shard, shards = self.data_shard()
         for split, dataset in self.datasets.items():
             if split in self.dataloaders:
@@ -35,6 +47,7 @@ class DataSetupMixin:
                 rank=rank,
                 world_size=world_size,
                 pad=split == "train",  # evaluation shares are uneven rather than padded with repeats
+                collate_fn=self.collate_fns.get(split),
             )
             warn_if_unresumable(split, dataset)
 

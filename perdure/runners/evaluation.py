@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from perdure.data.batch import batch_length
 from perdure.data.loader import ResumableLoader
 from perdure.distributed.collectives import all_gather_object, max_each_over_ranks, max_over_ranks, sum_over_ranks
 from perdure.errors import PerdureError
@@ -109,7 +108,7 @@ class EvaluationMixin:
                         raise EvaluationStopped(split, index)
                     with self.autocast():
                         metrics = self.evaluate_step(batch)
-                    weight = batch_length(batch)
+                    weight = loader.take_samples(1)
                     for name, value in metrics.items():
                         totals[name] = totals.get(name, 0.0) + float(value) * weight
                     count += weight

@@ -31,6 +31,9 @@ Environment knobs (tests only):
                 (a path), and a writer started after it finds the file and runs clean
   SETUP_FAIL    "model": the runner's __init__ raises while building the model (a failed setup)
   UNSAVEABLE    checkpoints carry a user object that torch.save cannot serialize
+  PACKED        "1": every split is collated by a function of the program's own (`self.collate_fns`) into one flat row
+                of inputs with the samples' offsets first (a batch whose first tensor is not one row per sample),
+                masked at random with torch's generator
   TEACHER       "1": a momentum teacher of the user's own (`self.checkpointed["teacher"]`), updated after every
                 optimizer step with a draw from torch's generator; FINAL_STATE then holds its state too
   NAN_AT_STEP   the loss of the first micro-batch at this global step is NaN (on rank NAN_RANK only, default every rank)
@@ -164,6 +167,15 @@ class Unsaveable:
         pass
 
 
+def packed(samples):
+    """A collate of the user's own: the samples' inputs in one flat row, their offsets first (as variable-length
+    attention takes them), each input masked at random with torch's generator (in the worker that collates, if any)."""
+    inputs = torch.stack([inputs for inputs, _ in samples])
+    inputs = inputs * (torch.rand(inputs.shape) > 0.1)
+    offsets = torch.arange(len(samples) + 1) * inputs.shape[1]
+    return {"offsets": offsets, "input": inputs.reshape(-1), "target": torch.stack([target for _, target in samples])}
+
+
 class MomentumTeacher:
     """A user object the runner knows nothing of: a copy of the model that follows it, and a running centre."""
 
@@ -212,6 +224,8 @@ class ResumableRunner(Runner):
         if os.environ.get("VAL_ITERABLE") == "1":
             shard, shards = self.data_shard()
             self.datasets["val"] = OrderedStream(val_size, 2, shard, shards)
+        if os.environ.get("PACKED") == "1":
+            self.collate_fns = dict.fromkeys(self.datasets, packed)
         self.loss_log = _per_process(os.environ.get("LOSS_LOG", ""), self.rank, config) or None
         self.step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
         self.slow_while = os.environ.get("SLOW_WHILE")
@@ -233,6 +247,12 @@ class ResumableRunner(Runner):
             states["user"] = Unsaveable()
         return states
 
+    def unpack_batch(self, batch):
+        if isinstance(batch, dict) and "offsets" in batch:  # PACKED: one row per sample again
+            rows = len(batch["offsets"]) - 1
+            batch = {"input": batch["input"].reshape(rows, -1), "target": batch["target"]}
+        return super().unpack_batch(batch)
+
     def optimizer_step(self):
         stepped = super().optimizer_step()
         if stepped and self.teacher is not None:
@@ -253,7 +273,7 @@ class ResumableRunner(Runner):
         if self.loss_log:
             with open(self.loss_log, "a") as log:
                 record = {"epoch": position[0], "step": position[1], "micro": self._micro, "loss": loss.item().hex()}
-                if isinstance(batch, dict):
+                if isinstance(batch, dict) and "index" in batch:
                     record["samples"] = batch["index"].tolist()
                 log.write(json.dumps(record) + "\n")
         if self.step_sleep and (self.slow_while is None or os.path.exists(self.slow_while)):
