@@ -1,6 +1,7 @@
 """The CUDA path (issue 9), on one GPU: kill -9 + rerun is bit-exact in fp32, bf16 and fp16 with a GradScaler, with
 sync, thread and process saves and EMA, the losses a checkpoint carries included (they crashed the first log line
-after a resume); GPU snapshots go through pinned buffers on a side stream. Skipped where CUDA is not available."""
+after a resume), a momentum teacher of the program's own and its own collate function; GPU snapshots go through
+pinned buffers on a side stream. Skipped where CUDA is not available."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ pytestmark = [
 # Saves every 5 steps, logs every 4: the checkpoint of step 10 carries the losses of steps 9 and 10.
 ARGS = ("--steps", "30", "--width", "256", "--depth", "2", "--ckpt.interval", "5", "--log.interval", "4")
 ARGS += ("--ema.enabled", "true", "--deterministic", "true")
+# A momentum teacher of the program's own (`self.checkpointed`, kept on the CPU, following the model on the GPU), and a
+# collate function of its own whose batches are one flat row (`self.collate_fns`): both resume bit for bit too.
+OWN = {"TEACHER": "1", "PACKED": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,8 @@ def reference(tmp_path_factory):
     def get(precision: str):
         if precision not in roots:
             root = tmp_path_factory.mktemp(f"reference-{precision}")
-            assert_ok(run("resumable.py", root, *ARGS, "--precision", precision, LOSS_LOG=root / "losses.jsonl"))
+            final = {"LOSS_LOG": root / "losses.jsonl", "FINAL_STATE": root / "final.pt"}
+            assert_ok(run("resumable.py", root, *ARGS, "--precision", precision, **OWN, **final))
             roots[precision] = root
         return roots[precision]
 
@@ -64,11 +69,20 @@ def test_sigkill_and_rerun_is_bit_exact_on_cuda(reference, tmp_path, precision, 
     root = tmp_path / "run"
     after_save = "*/*/checkpoints/ckpt-s000000000010/manifest.json"
     sleep = "0.1" if mode == "process" else "0.04"  # the writer process needs ~2 s to start
-    killed = run_until_killed("resumable.py", root, *args, when_exists=after_save, STEP_SLEEP=sleep)
+    killed = run_until_killed("resumable.py", root, *args, when_exists=after_save, STEP_SLEEP=sleep, **OWN)
     assert killed.returncode == -9
-    rerun = run("resumable.py", root, *args, LOSS_LOG=tmp_path / "rerun.jsonl")
+    rerun = run(
+        "resumable.py", root, *args, LOSS_LOG=tmp_path / "rerun.jsonl", FINAL_STATE=tmp_path / "final.pt", **OWN
+    )
     assert_ok(rerun)
     assert "resuming from" in rerun.stdout
+    teachers = [
+        torch.load(path, weights_only=True)["teacher"] for path in (expected_root / "final.pt", tmp_path / "final.pt")
+    ]
+    assert teachers[0]["updates"] == teachers[1]["updates"] > 0 and torch.equal(
+        teachers[0]["center"], teachers[1]["center"]
+    )
+    assert_same_weights(teachers[0]["net"], teachers[1]["net"])
     expected, resumed = read_losses(expected_root / "losses.jsonl"), read_losses(tmp_path / "rerun.jsonl")
     assert resumed and min(resumed) > (0, 0, 0)
     for position, loss in resumed.items():
