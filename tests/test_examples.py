@@ -190,18 +190,18 @@ def test_stream_tokens_resumes_its_stream_where_it_was(tmp_path):
 
 # ---------------------------------------------------------------------- self_distill: state of the program's own
 
-DISTILL_ARGS = ("--steps", "120", "--ckpt.interval", "20", "--log.interval", "20", "--ckpt.async_mode", "thread")
+DISTILL_ARGS = ("--steps", "60", "--ckpt.interval", "20", "--log.interval", "20", "--ckpt.async_mode", "thread")
 
 
 def test_self_distill_resumes_its_teacher_bit_for_bit(tmp_path):
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     run("self_distill.py", "--workspace.root", str(reference), *DISTILL_ARGS)
     kill_after(start("self_distill.py", "--workspace.root", str(interrupted), *DISTILL_ARGS, "--steps", "4000"),
-               interrupted, "*/*/checkpoints/ckpt-s000000000040/manifest.json")  # fmt: skip
+               interrupted, "*/*/checkpoints/ckpt-s000000000020/manifest.json")  # fmt: skip
     resumed = run("self_distill.py", "--workspace.root", str(interrupted), *DISTILL_ARGS)
     assert "resuming from" in resumed.stdout and "holds no" not in resumed.stdout
     run_path, reference_path = one_run_dir(interrupted), one_run_dir(reference)
-    manifest = (run_path / "checkpoints" / "ckpt-s000000000040" / "manifest.json").read_text()
+    manifest = (run_path / "checkpoints" / "ckpt-s000000000020" / "manifest.json").read_text()
     assert '"teacher"' in manifest
     assert losses(run_path) == losses(reference_path)
     for name in ("model.pth", "teacher.pth"):  # the student, and the teacher that follows it

@@ -29,9 +29,8 @@ SCENARIOS = {
     ),
     # a collate of the program's own whose batches are one flat row (a sampler-free count would be wrong): epochs
     # end and the position is saved where they really are; with workers its random masks draw the same after a resume
-    "packed-epochs": (["--epochs", "3", "--ckpt.interval_steps", "4"], "ckpt-s000000000008"),
     "packed-epochs-workers": (
-        ["--epochs", "3", "--ckpt.interval_steps", "4", "--dataloader.num_workers", "2"],
+        ["--epochs", "2", "--ckpt.interval_steps", "4", "--dataloader.num_workers", "2"],
         "ckpt-s000000000008",
     ),
     # bf16 autocast with gradient accumulation over a partial last window, EMA and clipping
