@@ -12,6 +12,7 @@ import re
 import signal
 
 import pytest
+import torch
 
 from perdure.checkpoints.commit import read_pointer
 from tests.ft.groups import assert_same_state, final_state, ft_record, launch, sidecar, wait_until
@@ -68,6 +69,7 @@ def held_back(tmp_path):
 
 def test_a_group_dies_twice_the_other_keeps_committing_and_the_restarts_heal(tmp_path, lighthouse):
     root, hold, slow = held_back(tmp_path)
+    slow["TEACHER"] = "1"  # a momentum teacher of the program's own (`self.checkpointed`): a heal must carry it too
     final = str(tmp_path / "final{replica}.pt")
     group0 = launch(root, lighthouse, 0, *ARGS, FINAL_STATE=final, **slow)
     in_a_quorum(root, group0)
@@ -105,6 +107,9 @@ def test_a_group_dies_twice_the_other_keeps_committing_and_the_restarts_heal(tmp
     a, b = final_state(tmp_path / "final0.pt"), final_state(tmp_path / "final1.pt")
     assert a["step"] == STEPS
     assert_same_state(a, b)  # parameters and optimizer state (a heal serves the live state, not a stale one)
+    # The teacher follows the model identically in both groups (its random centre is each group's own draw).
+    assert a["teacher"]["updates"] == b["teacher"]["updates"] == STEPS
+    assert all(torch.equal(a["teacher"]["net"][key], b["teacher"]["net"][key]) for key in a["teacher"]["net"])
     record = sidecar(root)
     assert record["step"] == STEPS and record["status"] == "completed"
     assert read_pointer(run_dir(root) / "checkpoints", "latest") == f"ckpt-s{STEPS:012d}"
