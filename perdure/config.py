@@ -82,6 +82,7 @@ _CHOICES: dict[str, tuple] = {
     "parallel.pipeline.schedule": PIPELINE_SCHEDULES,
     "compile.mode": COMPILE_MODES,
 }
+MAX_ACCUM_STEPS = 1 << 16  # perdure.data.loader.MAX_UNTAKEN_BATCHES
 # key: (minimum, None allowed)
 _COUNTS: dict[str, tuple[int, bool]] = {
     "accum_steps": (1, False),
@@ -401,6 +402,8 @@ class RunnerConfig(chanfig.Config):
             raise ConfigError("resilience.exit_code", exit_code, "use an integer from 0 to 255, or None for 128+signal")
         for key, (minimum, optional) in _COUNTS.items():
             check_int(key, get(key), minimum, optional)
+        if get("accum_steps") > MAX_ACCUM_STEPS:  # the loader counts the samples of that many batches read ahead
+            raise ConfigError("accum_steps", get("accum_steps"), f"use at most {MAX_ACCUM_STEPS} micro-batches a step")
         for key, choices in _CHOICES.items():
             check_choice(key, get(key), choices)
         for key in _BOOLS:

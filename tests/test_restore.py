@@ -27,6 +27,7 @@ def train(root, **overrides) -> ResumableRunner:
         ("steps", -3),
         ("steps", 2.5),
         ("accum_steps", 0),
+        ("accum_steps", 65537),
         ("precision", "fp8"),
         ("stack", "jax"),
         ("checkpoint", "/nonexistent/ckpt-s000000000010"),

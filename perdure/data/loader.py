@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from perdure.config import MAX_ACCUM_STEPS
 from perdure.data.batch import batch_length
 from perdure.data.iterable import EpochAware, as_dataset, is_stateful
 from perdure.data.sample_seeds import SeededBatches, SeededStream
@@ -22,6 +23,9 @@ from perdure.safe_io import safe_name
 
 # torchdata 0.11 calls a deprecated torch API each time an iterator is created; it is not the user's concern.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
+
+MAX_UNTAKEN_BATCHES = MAX_ACCUM_STEPS  # a window of micro-batches at most (config.check), or an evaluation's read-ahead
 
 
 class ResumableLoader:
@@ -89,7 +93,8 @@ class ResumableLoader:
             collate_fn=collate_fn,
         )
         self._iterable_state: dict[str, Any] | None = None
-        self._yielded: collections.deque[int] = collections.deque()  # samples of each batch yielded, not yet taken
+        # Samples of each batch yielded, not yet taken; bounded for a caller that reads batches and never takes them.
+        self._yielded: collections.deque[int] = collections.deque(maxlen=MAX_UNTAKEN_BATCHES)
         self.restored_samples: int | None = None  # the map-style dataset's length when the restored position was saved
 
     @property
@@ -107,9 +112,9 @@ class ResumableLoader:
 
     def take_samples(self, batches: int) -> int:
         """This rank's samples in the next `batches` batches the current epoch's iterator yielded (in order; each is
-        taken once). A map-style dataset's are counted from the sampler, as its batches were cut, whatever a
-        `collate_fn` makes of them (sequences packed into one row, say); a stream's are its batches' leading
-        dimension."""
+        taken once; at most the last `MAX_UNTAKEN_BATCHES` are kept). A map-style dataset's are counted from the
+        sampler, as its batches were cut, whatever a `collate_fn` makes of them (sequences packed into one row, say); a
+        stream's are its batches' leading dimension."""
         return sum(self._yielded.popleft() for _ in range(batches))
 
     def iter_epoch(self, epoch: int, samples_done: int = 0, limit: int | None = None) -> Iterator[Any]:
