@@ -46,8 +46,9 @@ class CheckpointSaveError(CheckpointError):
 
 
 class CheckpointStateError(CheckpointError):
-    """The state to checkpoint cannot be serialized at all (a user object torch cannot save): no save will ever work,
-    so the run stops at its first save instead of training on without checkpoints."""
+    """No save of this attempt can ever work: the state cannot be serialized at all (a user object torch cannot save),
+    or (DCP, several ranks) a checkpoint process died while starting and the other ranks' wait for it. The run stops
+    at that save instead of training on without checkpoints; the message says why and what to do."""
 
 
 class UnsafeFileError(PerdureError, OSError):

@@ -8,6 +8,10 @@ whose group lost a member, fail theirs. Here a failed save takes this rank's pro
 that the next save starts a new one on every rank (DCP fails a save on every rank together, so every rank does this
 after the same save; a new set agrees on a fresh port through the training's own group).
 
+A process that dies while it is starting is another matter: the other ranks' processes wait for it in their process
+group's rendezvous, for torch's 30 minutes, and nothing here can stop them. That ends the run at once, with what
+happened, so that torchrun stops the other ranks and a rerun starts afresh.
+
 It also says what happened: the errors torch reports (`RuntimeError: Checkpoint background process is dead. Exit code:
 None` on the rank whose process died, a gloo `Connection reset by peer` on the others) are not I/O errors, and would
 otherwise read as state that cannot be serialized, which would end the run.
@@ -16,10 +20,11 @@ otherwise read as state that cannot be serialized, which would end the run.
 from __future__ import annotations
 
 import pickle
+import re
 import sys
 
 from perdure.checkpoints.save_errors import io_cause, killed_by
-from perdure.errors import CheckpointSaveError
+from perdure.errors import CheckpointSaveError, CheckpointStateError
 
 EXECUTOR_MODULE = "torch.distributed.checkpoint._async_process_executor"
 # What sending the state to the process raises for an object that cannot be pickled: the state's fault, for good.
@@ -31,9 +36,11 @@ def replace_after_failure(error: BaseException, rank: int) -> BaseException:
     error to report: a `CheckpointSaveError` naming the process when it died or failed on its own (training may go
     on), else `error` itself (an I/O error, or state that cannot be pickled)."""
     module = sys.modules.get(EXECUTOR_MODULE)
-    holder = module._CHECKPOINT_PROCESS if module is not None and hasattr(module, "_CHECKPOINT_PROCESS") else None
-    if holder is None:  # never started (it failed before), or a torch without it: nothing to replace
+    if module is None or not hasattr(module, "_CHECKPOINT_PROCESS"):  # a torch without it: nothing to replace
         return error
+    holder = module._CHECKPOINT_PROCESS
+    if holder is None:  # this save was starting it (the first save, or the one after a replacement)
+        return _start_failed(error, rank)
     module._CHECKPOINT_PROCESS = None
     process = holder._save_process
     # One that died closed its pipe before the kernel had reaped it (torch saw `Exit code: None`): a second to finish.
@@ -52,4 +59,21 @@ def replace_after_failure(error: BaseException, rank: int) -> BaseException:
     return CheckpointSaveError(
         f"DCP's checkpoint process of rank {rank} failed ({type(error).__name__}: {first[:300]}); when another rank's "
         "checkpoint process died, that rank's output says so. The next save starts a new one on every rank"
+    )
+
+
+def _start_failed(error: BaseException, rank: int) -> CheckpointStateError:
+    """DCP's checkpoint process of this rank died (or failed) while it was starting. The other ranks' processes are
+    then inside their process group's rendezvous, waiting for this one, with torch's 30 minutes and nothing that can
+    stop them from here: no save of this attempt can work, so the run stops (torchrun then stops the other ranks) and
+    its rerun starts new processes. Also a failed agreement on the new processes' port lands here (every rank)."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    code = re.search(r"Exit code: (-?\d+)", first)
+    killer = killed_by(int(code.group(1))) if code else None
+    how = f"was killed by {killer}" if killer else f"failed ({type(error).__name__}: {first[:300]})"
+    return CheckpointStateError(
+        f"DCP's checkpoint process of rank {rank} {how} while it was starting. The other ranks' checkpoint processes "
+        "wait for it (torch gives them 30 minutes), so no save can work in this attempt and the run stops here. Run it "
+        "again: it continues from its last committed checkpoint (or use --ckpt.async_mode thread, which starts no "
+        "process)"
     )

@@ -173,6 +173,36 @@ def test_a_killed_dcp_checkpoint_process_fails_one_save_and_the_next_starts_new_
     assert_same_weights(final_weights(reference), final_weights(root))
 
 
+def test_a_dcp_checkpoint_process_killed_while_starting_stops_the_run_and_the_rerun_trains_on(reference, tmp_path):
+    """Killed before it joined the others, DCP's process of rank 1 leaves theirs waiting in their rendezvous (torch's
+    30 minutes): rank 1 stops the run at once saying so (it said its state could not be serialized), and a rerun
+    starts new processes and ends like the run that never failed."""
+    root, args = tmp_path / "run", (*ARGS, "--ckpt.async_mode", "process")
+    processes = start_ranks(2, "resumable.py", root, *args, STEP_SLEEP="0.1")
+    try:
+        deadline = time.monotonic() + 120
+        while not (starting := writer_processes(processes[1].pid)):  # the first save starts it, at step 5
+            assert time.monotonic() < deadline and processes[1].poll() is None, "rank 1 never started DCP's process"
+            time.sleep(0.005)
+        os.kill(starting[0], signal.SIGKILL)  # it takes seconds to import torch: it is still starting
+        output = processes[1].communicate(timeout=60)[0]  # not torch's 30 minutes
+    finally:
+        # As torchrun stops the other ranks once one has failed, with their process groups: rank 0's DCP process,
+        # which waits for rank 1's in its rendezvous (and holds the output pipe), goes too.
+        for process in processes:
+            for child in writer_processes(process.pid):
+                os.kill(child, signal.SIGKILL)
+            process.kill()
+            process.communicate(timeout=30)
+    assert processes[1].returncode != 0, output
+    assert "DCP's checkpoint process of rank 1 was killed by SIGKILL" in output
+    assert "while it was starting" in output and "Run it again" in output
+    assert "cannot be serialized" not in output
+    assert_all_ok(run_ranks(2, "resumable.py", root, *args, timeout=TIMEOUT))
+    assert verify_checkpoint(latest(root))["global_step"] == 30
+    assert_same_weights(final_weights(reference), final_weights(root))
+
+
 @pytest.mark.parametrize(("resume_ranks", "backend"), [(1, "dcp"), (4, "dcp"), (1, "auto")])
 def test_dcp_checkpoint_of_two_ranks_resumes_on_another_world_size(tmp_path, resume_ranks, backend):
     root, args = tmp_path / "run", (*ARGS, "--ckpt.backend", backend)
