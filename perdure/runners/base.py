@@ -112,8 +112,7 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
         self.ema: ExponentialMovingAverage | None = None
         self.datasets: dict[str, Any] = {}
         self.collate_fns: dict[str, Callable[[list[Any]], Any]] = {}  # per split: how samples become a batch
-        # The user's own objects with state_dict / load_state_dict, saved and restored after the runner's own.
-        self.checkpointed: dict[str, Stateful] = {}
+        self.checkpointed: dict[str, Stateful] = {}  # the user's own objects, saved after the runner's
         self.dataloaders: dict[str, ResumableLoader] = {}
         self.is_best = False
         self.save_failures: list[str] = []
