@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import zygote
+
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
 # Test runs pin the code part of their run directory: a test that kills and reruns a program must find the same run
@@ -59,7 +61,7 @@ def environment(**extra: str) -> dict[str, str]:
 def run(script: str, root: Path, *args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
     """Run a training script to completion with `workspace.root = root`."""
     command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
-    return subprocess.run(command, env=environment(**env), capture_output=True, text=True, timeout=timeout)
+    return zygote.run(command, env=environment(**env), capture_output=True, text=True, timeout=timeout)
 
 
 def run_until_killed(
@@ -77,9 +79,7 @@ def run_until_killed(
 def start(script: str, root: Path, *args: str, **env: str) -> subprocess.Popen:
     """Start a training script with `workspace.root = root` (stdout and stderr together), without waiting for it."""
     command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
-    return subprocess.Popen(
-        command, env=environment(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return zygote.popen(command, env=environment(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_for(process: subprocess.Popen, root: Path, pattern: str, timeout: float = 240) -> None:
@@ -192,7 +192,7 @@ def start_ranks(
         )
         command = [sys.executable, str(SCRIPTS / script), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
         processes.append(
-            subprocess.Popen(command, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            zygote.popen(command, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
     return processes
 

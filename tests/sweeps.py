@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from perdure.sweep.state import SweepState, read_state
+from tests import zygote
 from tests.runs import SCRIPTS, environment
 
 PERDURE = [sys.executable, "-m", "perdure.cli.main"]
@@ -48,14 +49,14 @@ def echo_command() -> list[str]:
 
 def sweep(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `perdure sweep ARGS` to completion (stdout and stderr kept apart)."""
-    return subprocess.run(
+    return zygote.run(
         [*PERDURE, "sweep", *args], env=env or environment(), capture_output=True, text=True, timeout=timeout
     )
 
 
 def start_sweep(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `perdure sweep ARGS` (a dispatcher) in the background, output merged."""
-    return subprocess.Popen(
+    return zygote.popen(
         [*PERDURE, "sweep", *args],
         env=env or environment(),
         stdout=subprocess.PIPE,

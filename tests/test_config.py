@@ -14,6 +14,7 @@ import yaml
 
 from perdure.config import RunnerConfig
 from perdure.errors import ConfigError
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -448,7 +449,7 @@ def _run_script(tmp_path: Path, body: str, *args: str) -> subprocess.CompletedPr
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(body))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60
     )
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from perdure.loggers.metrics_csv import read_metrics_csv
+from tests import zygote
 from tests.runs import GPU_DETERMINISM, built_once, skip_unless_ranks_fit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -29,7 +30,7 @@ def run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedPr
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PERDURE_", "MLP_"))}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     command = [sys.executable, str(EXAMPLES / script), *args]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    result = zygote.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -109,7 +110,7 @@ def start(script: str, *args: str) -> subprocess.Popen:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PERDURE_", "MLP_"))}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     command = [sys.executable, str(EXAMPLES / script), *args]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return zygote.popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def kill_after(process: subprocess.Popen, root: Path, pattern: str, timeout: float = 240) -> None:
@@ -241,7 +242,7 @@ def test_gpt_under_torchrun_with_tensor_parallelism(tmp_path):
     command += [str(EXAMPLES / "gpt.py"), "--stack", "parallel", "--parallel.axes.tensor", "2", *args]
     env = {key: value for key, value in os.environ.items() if not key.startswith("PERDURE_")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    result = zygote.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "parallel: tensor 2 (2 ranks)" in result.stdout and "finished at step 10" in result.stdout
     (run_dir,) = [path.parent for path in tmp_path.glob("*/*/checkpoints")]

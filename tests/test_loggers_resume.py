@@ -20,6 +20,7 @@ import pytest
 
 from perdure.loggers.media import read_media_index
 from perdure.loggers.metrics_csv import read_metrics_csv
+from tests import zygote
 
 ATTEMPT = textwrap.dedent(
     """
@@ -76,7 +77,7 @@ def run_attempt(script: Path, run_dir: Path, kill_at: int, end: int, home: Path)
         PYTHONWARNINGS="default",  # show every Python warning, so the checks below see them
     )
     command = [sys.executable, str(script), str(run_dir), str(kill_at), str(end)]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    return zygote.run(command, env=env, capture_output=True, text=True, timeout=240)
 
 
 def assert_no_warnings(stderr: str) -> None:

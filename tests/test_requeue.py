@@ -18,6 +18,7 @@ import pytest
 from perdure.checkpoints.commit import read_pointer
 from perdure.workspace.launch import Launch, current_launch, entry_path, read_entry, write_entry
 from perdure.workspace.sidecar import read_sidecar
+from tests import zygote
 from tests.runs import SCRIPTS, assert_ok, assert_same_weights, environment, read_losses
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,7 +52,7 @@ def commit_something(repo: Path) -> str:
 
 def train(repo: Path, root: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     command = [sys.executable, str(repo / "train.py"), "--workspace.root", str(root), *ARGS, *args]
-    return subprocess.run(command, env=environment(**env), capture_output=True, text=True, timeout=240)
+    return zygote.run(command, env=environment(**env), capture_output=True, text=True, timeout=240)
 
 
 def train_until_sigterm(repo: Path, root: Path, **env: str) -> subprocess.CompletedProcess:
@@ -61,7 +62,7 @@ def train_until_sigterm(repo: Path, root: Path, **env: str) -> subprocess.Comple
     # loaded machine schedules late still signals a live run (at 0.02 s a step, 0.4 s was once not enough).
     slow = root.parent / f"slow-{os.getpid()}-{time.monotonic_ns()}"
     slow.touch()
-    process = subprocess.Popen(command, env=environment(STEP_SLEEP="0.1", SLOW_WHILE=str(slow), **env),
+    process = zygote.popen(command, env=environment(STEP_SLEEP="0.1", SLOW_WHILE=str(slow), **env),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
     while not list(root.glob("*/*/checkpoints/ckpt-s000000000010/manifest.json")):
@@ -84,7 +85,7 @@ def reference(tmp_path_factory):
     """The same program, never stopped."""
     root = tmp_path_factory.mktemp("reference")
     command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *ARGS]
-    result = subprocess.run(command, env=environment(LOSS_LOG=str(root / "losses.jsonl")), capture_output=True,
+    result = zygote.run(command, env=environment(LOSS_LOG=str(root / "losses.jsonl")), capture_output=True,
                             text=True, timeout=240)  # fmt: skip
     assert_ok(result)
     (run,) = run_dirs(root)

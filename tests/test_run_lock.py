@@ -17,6 +17,7 @@ import pytest
 
 from perdure.errors import PerdureError
 from perdure.resilience.run_lock import RunLock, RunLockedError
+from tests import zygote
 
 # Takes the lock, says so on stdout, then sleeps until killed. With FORK=1 it first forks a child that sleeps too.
 HOLDER = textwrap.dedent(
@@ -40,7 +41,7 @@ HOLDER = textwrap.dedent(
 
 def start_holder(run_dir: Path, **env: str) -> tuple[subprocess.Popen, list[str]]:
     """Start a process holding the lock of `run_dir`; return it and the lines it printed before it held the lock."""
-    process = subprocess.Popen(
+    process = zygote.popen(
         [sys.executable, "-c", HOLDER, str(run_dir)],
         stdout=subprocess.PIPE,
         text=True,

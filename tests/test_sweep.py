@@ -19,6 +19,7 @@ from perdure.cli.main import main
 from perdure.sweep.liveness import hostname, process_start_time
 from perdure.sweep.matrix import job_id
 from perdure.sweep.state import locked_state
+from tests import zygote
 from tests.runs import assert_ok, assert_same_weights, environment, read_losses
 from tests.sweeps import (
     echo_command,
@@ -45,9 +46,7 @@ def reference_run(sweep_dir: Path, job: str, root: Path, losses: Path, **env: st
     argv[argv.index("--workspace.root") + 1] = str(root)
     for key, value in row["overrides"].items():
         argv += [f"--{key}", str(value)]
-    result = subprocess.run(
-        argv, env=environment(LOSS_LOG=str(losses), **env), capture_output=True, text=True, timeout=240
-    )
+    result = zygote.run(argv, env=environment(LOSS_LOG=str(losses), **env), capture_output=True, text=True, timeout=240)
     assert_ok(result)
     (found,) = [path.parent for path in root.glob("*/*/sidecar.json")]
     return found

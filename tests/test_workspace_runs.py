@@ -17,6 +17,7 @@ import pytest
 from perdure.cli.main import main as perdure_cli
 from perdure.registry import Registry
 from perdure.workspace.sidecar import read_sidecar
+from tests import zygote
 from tests.runs import SCRIPTS, assert_ok, environment, run, run_dir
 from tests.scripts.resumable import Config, ResumableRunner
 from tests.scripts.resumable import make_config as resumable_config
@@ -51,10 +52,10 @@ def test_a_code_edit_makes_a_new_code_id(tmp_path):
     subprocess.run([*git, "commit", "-qm", "first"], check=True)
     sha = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip()
     command = [sys.executable, str(repo / "train.py"), "--workspace.root", str(tmp_path / "runs"), "--steps", "4"]
-    assert_ok(subprocess.run(command, env=environment(), capture_output=True, text=True))
+    assert_ok(zygote.run(command, env=environment(), capture_output=True, text=True))
     with open(repo / "train.py", "a") as script:
         script.write("\n# an edit\n")
-    assert_ok(subprocess.run(command, env=environment(), capture_output=True, text=True))
+    assert_ok(zygote.run(command, env=environment(), capture_output=True, text=True))
     groups = sorted(path.name for path in (tmp_path / "runs").iterdir() if path.is_dir())
     assert groups[0] == f"resumable-{sha}" and groups[1].startswith(f"resumable-{sha}-d"), groups
 

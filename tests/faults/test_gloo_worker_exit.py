@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests import zygote
 from tests.runs import REPO, SCRIPTS, environment
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def run_script(mode: str) -> tuple[subprocess.CompletedProcess, dict]:
     command = [sys.executable, str(SCRIPTS / "gloo_worker_exit.py"), mode]
-    result = subprocess.run(command, env=environment(), cwd=REPO, capture_output=True, text=True, timeout=90)
+    result = zygote.run(command, env=environment(), cwd=REPO, capture_output=True, text=True, timeout=90)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert lines, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result, json.loads(lines[-1])

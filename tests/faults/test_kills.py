@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
+from tests import zygote
 from tests.runs import (
     LAUNCH_DEFAULTS,
     SCRIPTS,
@@ -44,7 +45,7 @@ def kill_at_random(root: Path, args: tuple[str, ...], delay: float, loss_log: Pa
     """Start the run, wait until it trains (or up to 20 s), wait `delay` more, SIGKILL. Returns the exit code."""
     command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
     before = loss_log.stat().st_size if loss_log.exists() else 0
-    process = subprocess.Popen(
+    process = zygote.popen(
         command,
         env=environment(LOSS_LOG=loss_log, STEP_SLEEP=STEP_SLEEP),
         stdout=subprocess.DEVNULL,

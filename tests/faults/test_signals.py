@@ -14,6 +14,7 @@ import time
 import pytest
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
+from tests import zygote
 from tests.runs import (
     LAUNCH_DEFAULTS,
     SCRIPTS,
@@ -34,7 +35,7 @@ ARGS = ("--steps", "40", "--ckpt.interval", "10", "--accum_steps", "2")
 def start(root, loss_log, *args, **env):
     command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *ARGS]
     command += args
-    return subprocess.Popen(
+    return zygote.popen(
         command,
         env=environment(LOSS_LOG=loss_log, STEP_SLEEP="0.03", **env),
         stdout=subprocess.PIPE,

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests import zygote
 from tests.runs import environment
 
 # A group silent for 1 s is left out of the next quorum; a forming quorum waits 0.3 s for groups not yet joined.
@@ -16,7 +17,7 @@ LIGHTHOUSE_ARGS = ("--heartbeat-timeout-ms", "1000", "--join-timeout-ms", "300")
 
 def start_lighthouse(*args: str) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "perdure.cli.main", "ft", "lighthouse", "--bind", "127.0.0.1:0", *args]
-    process = subprocess.Popen(command, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = zygote.popen(command, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = process.stdout.readline()
     assert line.startswith("lighthouse listening on http://127.0.0.1:"), f"lighthouse said {line!r}"
     return process, line.split()[3]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tests import zygote
 from tests.runs import PINNED_CODE, SCRIPTS, environment, free_port, run_dir
 
 # Short enough for tests: a dead group is noticed after the lighthouse's heartbeat timeout (1 s in these tests).
@@ -68,7 +69,7 @@ def launch(root: Path, lighthouse: str, replica: int, *args: str, ranks: int = 1
         extra = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=ranks, LOCAL_WORLD_SIZE=ranks, MASTER_PORT=port)
         process_env = environment(MASTER_ADDR="127.0.0.1", **(extra if ranks > 1 else {}), **env)
         with open(log, "w") as output:
-            processes.append(subprocess.Popen(command, env=process_env, stdout=output, stderr=subprocess.STDOUT))
+            processes.append(zygote.popen(command, env=process_env, stdout=output, stderr=subprocess.STDOUT))
         logs.append(log)
     return Group(replica, processes, logs)
 

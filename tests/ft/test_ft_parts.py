@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +20,7 @@ from perdure.ft.runner import FaultTolerant
 from perdure.ft.telemetry import ReplicaSidecar
 from perdure.resilience.run_lock import RunLock, RunLockedError
 from perdure.workspace.identity import config_id
+from tests import zygote
 from tests.runs import environment
 from tests.scripts.resumable import Config, ResumableRunner, make_config
 
@@ -271,7 +271,7 @@ dist.destroy_process_group()
 
 
 def test_heal_shards_go_back_into_the_sharded_layout_and_a_misshapen_one_is_refused():
-    result = subprocess.run([sys.executable, "-c", SHARDS_SCRIPT], env=environment(), capture_output=True, text=True)
+    result = zygote.run([sys.executable, "-c", SHARDS_SCRIPT], env=environment(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert (
         "refused: a peer sent a shard of [5, 3] torch.float32 where this rank holds [4, 3] torch.float32"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from perdure.checkpoints.commit import MANIFEST_NAME, hash_file, read_pointer
+from tests import zygote
 from tests.runs import PINNED_CODE, SCRIPTS, environment
 from tests.scripts.resumable import ResumableRunner, make_config
 
@@ -61,13 +62,13 @@ def resume(root: Path, *args: str, timeout: float = 120) -> subprocess.Completed
     """The real command: relaunch the victim's training script on `root` (it continues to step 6)."""
     command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *PINNED_CODE, *TINY_ARGS]
     command += args
-    return subprocess.run(command, env=environment(), capture_output=True, timeout=timeout)
+    return zygote.run(command, env=environment(), capture_output=True, timeout=timeout)
 
 
 def perdure_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """The real `perdure` command (bytes output, so an escape sequence cannot hide)."""
     command = [sys.executable, "-m", "perdure.cli.main", *map(str, args)]
-    return subprocess.run(command, env=environment(), capture_output=True, timeout=timeout)
+    return zygote.run(command, env=environment(), capture_output=True, timeout=timeout)
 
 
 def perdure_cli_each(*commands: tuple, timeout: float = 60) -> tuple[list[int], bytes]:
@@ -79,9 +80,7 @@ def perdure_cli_each(*commands: tuple, timeout: float = 60) -> tuple[list[int], 
         "sys.stdout.flush(); sys.stderr.write('EXIT-CODES ' + json.dumps(codes))"
     )
     argv = json.dumps([[str(part) for part in command] for command in commands])
-    result = subprocess.run(
-        [sys.executable, "-c", program, argv], env=environment(), capture_output=True, timeout=timeout
-    )
+    result = zygote.run([sys.executable, "-c", program, argv], env=environment(), capture_output=True, timeout=timeout)
     output = result.stdout + result.stderr
     assert b"EXIT-CODES " in output, output.decode("utf-8", "replace")
     output, codes = output.rsplit(b"EXIT-CODES ", 1)

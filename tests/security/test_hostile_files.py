@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from perdure.checkpoints.commit import read_pointer
+from tests import zygote
 from tests.runs import SCRIPTS, environment
 from tests.scripts.resumable import ResumableRunner, make_config
 from tests.security.hostile import TINY, latest, perdure_cli_each, resume, run_dir_of, text
@@ -112,7 +112,7 @@ def test_a_yaml_alias_bomb_fails_within_seconds_and_bounded_memory(tmp_path):
     script = str(SCRIPTS / "resumable.py")
     command = [sys.executable, "-c", MEASURED, script, "--config", str(bomb), "--workspace.root", str(tmp_path / "r")]
     started = time.monotonic()
-    result = subprocess.run(command, env=environment(), capture_output=True, timeout=60)
+    result = zygote.run(command, env=environment(), capture_output=True, timeout=60)
     seconds = time.monotonic() - started
     peak_mb = int(text(result).split("MAXRSS_KB ")[1].split()[0]) / 1024
     assert result.returncode == 2

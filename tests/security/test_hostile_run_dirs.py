@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import yaml
 
 from perdure import ConfigError, PerdureError
 from perdure.checkpoints.commit import read_pointer
+from tests import zygote
 from tests.runs import SCRIPTS, environment
 from tests.scripts.resumable import Config, ResumableRunner, make_config
 from tests.security.hostile import (
@@ -75,7 +75,7 @@ def test_a_shared_yaml_cannot_move_the_run_out_of_the_root_given_on_the_command_
     shared.write_text(yaml.safe_dump({"workspace": {"id": "../../../escaped"}, "steps": 4}))
     before = snapshot(tmp_path)
     command = [sys.executable, str(SCRIPTS / "resumable.py"), "--config", str(shared), "--workspace.root"]
-    result = subprocess.run([*command, str(tmp_path / "runs")], env=environment(), capture_output=True, timeout=60)
+    result = zygote.run([*command, str(tmp_path / "runs")], env=environment(), capture_output=True, timeout=60)
     assert result.returncode == 2
     assert "error: config key 'workspace.id' = '../../../escaped'" in text(result) and "Traceback" not in text(result)
     assert snapshot(tmp_path) == before

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.runs import REPO, SCRIPTS, assert_ok, environment, run
 from tests.web.client import HOSTILE_TAG, SECRET
 
@@ -65,13 +66,13 @@ def _start_live(root: Path) -> subprocess.Popen:
     command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root)]
     command += ["--steps", "100000", "--workspace.lineage", "live", *COMMON, "--ckpt.keep_latest_k", "2"]
     env = environment(STEP_SLEEP="0.02")
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return zygote.popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _start_server(root: Path) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "perdure.cli.main", "web", "--root", str(root), "--port", "0"]
     command += ["--stale-after", str(STALE_AFTER)]
-    server = subprocess.Popen(
+    server = zygote.popen(
         command, env=environment(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     lines = []

@@ -7,13 +7,14 @@ import socket
 import subprocess
 import sys
 
+from tests import zygote
 from tests.runs import REPO, environment
 from tests.web.client import http_get
 
 
 def perdure(*args: str, prelude: str = "", timeout: float = 60) -> subprocess.CompletedProcess:
     code = f"{prelude}\nimport sys\nfrom perdure.cli.main import main\nsys.exit(main({list(args)!r}))"
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "-c", code], env=environment(), cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
@@ -44,7 +45,7 @@ def test_a_busy_port_is_a_clear_error(tmp_path):
 def test_a_non_loopback_host_warns_that_anyone_can_read_the_runs(tmp_path):
     command = [sys.executable, "-m", "perdure.cli.main", "web", "--root", str(tmp_path), "--host", "0.0.0.0"]
     command += ["--port", "0"]
-    server = subprocess.Popen(
+    server = zygote.popen(
         command, env=environment(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
