@@ -19,9 +19,12 @@ otherwise read as state that cannot be serialized, which would end the run.
 
 from __future__ import annotations
 
+import multiprocessing.connection
+import multiprocessing.process
 import pickle
 import re
 import sys
+from multiprocessing.context import SpawnProcess
 
 from perdure.checkpoints.save_errors import io_cause, killed_by
 from perdure.errors import CheckpointSaveError, CheckpointStateError
@@ -69,7 +72,7 @@ def _start_failed(error: BaseException, rank: int) -> CheckpointStateError:
     its rerun starts new processes. Also a failed agreement on the new processes' port lands here (every rank)."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     code = re.search(r"Exit code: (-?\d+)", first)
-    killer = killed_by(int(code.group(1))) if code else None
+    killer = killed_by(int(code.group(1)) if code else _reaped_exit_code())
     how = f"was killed by {killer}" if killer else f"failed ({type(error).__name__}: {first[:300]})"
     return CheckpointStateError(
         f"DCP's checkpoint process of rank {rank} {how} while it was starting. The other ranks' checkpoint processes "
@@ -77,3 +80,16 @@ def _start_failed(error: BaseException, rank: int) -> CheckpointStateError:
         "again: it continues from its last committed checkpoint (or use --ckpt.async_mode thread, which starts no "
         "process)"
     )
+
+
+def _reaped_exit_code() -> int | None:
+    """The exit status of the starting process torch lost. torch reads `Exit code: None` when the process's pipe
+    closed before the kernel let it be reaped; it is then one of multiprocessing's own spawned children that has
+    ended (its sentinel is ready), and has its status a moment later. None unless exactly one has ended."""
+    spawned = [child for child in list(multiprocessing.process._children) if isinstance(child, SpawnProcess)]
+    ready = multiprocessing.connection.wait([child.sentinel for child in spawned], timeout=0)
+    ended = [child for child in spawned if child.sentinel in ready]
+    if len(ended) != 1:
+        return None
+    ended[0].join(timeout=1.0)
+    return ended[0].exitcode
