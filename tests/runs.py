@@ -50,8 +50,11 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     return target
 
 
-def environment(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PERDURE_")}
+def environment(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a launched program: this process's (or `base`), without PERDURE_* variables, plus `extra`."""
+    env = {
+        key: value for key, value in (os.environ if base is None else base).items() if not key.startswith("PERDURE_")
+    }
     # PYTHONFAULTHANDLER: a process that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack.
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"})
     env.update({key: str(value) for key, value in extra.items()})

@@ -138,3 +138,14 @@ def test_what_the_zygote_cannot_run_faithfully_gets_a_new_interpreter(program, m
     for process in launched:
         assert isinstance(process, subprocess.Popen)
         assert process.wait(timeout=60) == 0
+
+
+@pytest.mark.timeout(60)
+def test_variables_read_after_the_fork_do_not_cost_the_zygote(program, monkeypatch):
+    """perdure sets DS_ACCELERATOR and CUBLAS_WORKSPACE_CONFIG in a test's own process, and tests set TORCHFT_*:
+    nothing the zygote imported reads them, so later launches are still forked."""
+    for name, value in (("DS_ACCELERATOR", "cpu"), ("CUBLAS_WORKSPACE_CONFIG", ":4096:8"), ("TORCHFT_X", "1")):
+        monkeypatch.setenv(name, value)
+    process = zygote.popen([sys.executable, str(program)], env=environment(), stdout=subprocess.DEVNULL)
+    assert isinstance(process, zygote.ForkedProcess)
+    assert process.wait(timeout=30) == 0

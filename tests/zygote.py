@@ -31,10 +31,12 @@ import sys
 import tempfile
 import time
 
-# Read when torch, numpy or Python start (or when the zygote imported them): a launch that sets one of these to
-# another value than the zygote's gets a new interpreter.
-IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP", "CUDA", "CUBLAS", "NVIDIA", "PYTHON", "LD_")
-IMPORT_TIME_PREFIXES += ("MALLOC", "DS_", "NCCL", "TRITON", "NUMPY")
+# Read when Python, the loader, OpenMP or torch start (the zygote imported torch, torch._dynamo and numpy): a launch
+# that sets one of these otherwise than the zygote got them gets a new interpreter. (Not DS_*, NCCL_*, CUDA_*,
+# TORCHFT_*, ...: read when a program uses them, after the fork; perdure itself sets DS_ACCELERATOR and
+# CUBLAS_WORKSPACE_CONFIG in a test's own process.)
+IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC", "OMP_", "GOMP", "KMP_", "MKL_", "NUMPY")
+IMPORT_TIME_PREFIXES += ("TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH")
 SET_IN_THE_CHILD = ("PYTHONPATH", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED")  # `become` applies these as Python would
 FRESH_ENV = "PERDURE_TEST_FRESH_PROCESSES"
 MAX_REQUEST = 1 << 20
@@ -279,15 +281,17 @@ def _decode(data: bytes) -> str:
 
 
 _ZYGOTE: tuple[subprocess.Popen, str, dict[str, str]] | None = None
+ENVIRONMENT_AT_START = dict(os.environ)  # imported while pytest collects, before any test runs
 
 
 def _zygote() -> tuple[str, dict[str, str]]:
-    """This pytest process's zygote (started at its first launch): its socket and environment."""
+    """This pytest process's zygote (started at its first launch): its socket and environment, the test environment
+    as it was before any test ran (a test may set variables in its own process while it runs)."""
     global _ZYGOTE
     if _ZYGOTE is None or _ZYGOTE[0].poll() is not None:
         from tests.runs import REPO, environment
 
-        env = environment()
+        env = environment(base=ENVIRONMENT_AT_START)
         path = os.path.join(tempfile.mkdtemp(prefix="perdure-zygote-"), "socket")
         process = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote", path],
