@@ -11,7 +11,14 @@ import time
 import pytest
 
 from tests import zygote
-from tests.runs import environment
+from tests.runs import environment as test_environment
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """The test environment as it was before any test ran (what the zygote has): what other tests set in this
+    process (and would send a launch to a new interpreter) does not decide these tests."""
+    return test_environment(base=zygote.ENVIRONMENT_AT_START, **extra)
+
 
 PROGRAM = """
 import json, os, random, sys
@@ -141,11 +148,11 @@ def test_what_the_zygote_cannot_run_faithfully_gets_a_new_interpreter(program, m
 
 
 @pytest.mark.timeout(60)
-def test_variables_read_after_the_fork_do_not_cost_the_zygote(program, monkeypatch):
-    """perdure sets DS_ACCELERATOR and CUBLAS_WORKSPACE_CONFIG in a test's own process, and tests set TORCHFT_*:
-    nothing the zygote imported reads them, so later launches are still forked."""
-    for name, value in (("DS_ACCELERATOR", "cpu"), ("CUBLAS_WORKSPACE_CONFIG", ":4096:8"), ("TORCHFT_X", "1")):
-        monkeypatch.setenv(name, value)
-    process = zygote.popen([sys.executable, str(program)], env=environment(), stdout=subprocess.DEVNULL)
+def test_variables_read_after_the_fork_do_not_cost_the_zygote(program):
+    """perdure sets DS_ACCELERATOR and CUBLAS_WORKSPACE_CONFIG in a test's own process, torch.compile sets
+    TORCHINDUCTOR_CACHE_DIR, tests set TORCHFT_*: nothing reads them before the fork, so such launches are forked."""
+    later = {"DS_ACCELERATOR": "cpu", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCHFT_X": "1"}
+    later["TORCHINDUCTOR_CACHE_DIR"] = "/tmp/torchinductor_x"
+    process = zygote.popen([sys.executable, str(program)], env=environment(**later), stdout=subprocess.DEVNULL)
     assert isinstance(process, zygote.ForkedProcess)
     assert process.wait(timeout=30) == 0

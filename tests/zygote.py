@@ -33,10 +33,10 @@ import time
 
 # Read when Python, the loader, OpenMP or torch start (the zygote imported torch, torch._dynamo and numpy): a launch
 # that sets one of these otherwise than the zygote got them gets a new interpreter. (Not DS_*, NCCL_*, CUDA_*,
-# TORCHFT_*, ...: read when a program uses them, after the fork; perdure itself sets DS_ACCELERATOR and
-# CUBLAS_WORKSPACE_CONFIG in a test's own process.)
+# TORCHFT_*, TORCHINDUCTOR_*, ...: read when a program uses them, after the fork; in a test's own process perdure sets
+# DS_ACCELERATOR and CUBLAS_WORKSPACE_CONFIG, and torch.compile TORCHINDUCTOR_CACHE_DIR.)
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC", "OMP_", "GOMP", "KMP_", "MKL_", "NUMPY")
-IMPORT_TIME_PREFIXES += ("TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH")
+IMPORT_TIME_PREFIXES += ("TORCH_", "TORCHDYNAMO", "PYTORCH")
 SET_IN_THE_CHILD = ("PYTHONPATH", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED")  # `become` applies these as Python would
 FRESH_ENV = "PERDURE_TEST_FRESH_PROCESSES"
 MAX_REQUEST = 1 << 20
