@@ -11,13 +11,13 @@ import time
 import pytest
 
 from tests import zygote
-from tests.runs import environment as test_environment
+from tests.runs import environment as launch_environment
 
 
 def environment(**extra: str) -> dict[str, str]:
     """The test environment as it was before any test ran (what the zygote has): what other tests set in this
     process (and would send a launch to a new interpreter) does not decide these tests."""
-    return test_environment(base=zygote.ENVIRONMENT_AT_START, **extra)
+    return launch_environment(base=zygote.ENVIRONMENT_AT_START, **extra)
 
 
 PROGRAM = """
