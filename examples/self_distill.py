@@ -80,7 +80,7 @@ class SelfDistillRunner(Runner):
         self.step_delay = float(os.environ.get("DISTILL_STEP_DELAY", "0"))
 
     def train_step(self, batch):
-        (x,) = batch
+        (x,) = self.to_device(batch)
         # Two random views of each sample (global generators: perdure restores them on resume).
         view_teacher = x + 0.1 * torch.randn_like(x)
         view_student = x * (torch.rand_like(x) > 0.2)
