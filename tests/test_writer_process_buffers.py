@@ -152,7 +152,9 @@ def test_a_process_mode_run_hands_its_buffers_over_without_the_resource_sharer(t
     runner = ManyTensors(config)
     runner.train()
     assert served == [], f"{len(served)} descriptors went through multiprocessing's resource sharer"
-    state = torch.load(runner.run_dir.checkpoints / "ckpt-s000000000006" / "state.pth", weights_only=True)
+    state = torch.load(
+        runner.run_dir.checkpoints / "ckpt-s000000000006" / "state.pth", weights_only=True, map_location=runner.device
+    )
     live = runner.model.state_dict()
     assert len(live) == 2 * 152 and all(torch.equal(state["model"][key], value) for key, value in live.items())
     assert len(state["optimizer"]["state"]) == 2 * 152
@@ -175,7 +177,9 @@ def test_more_descriptors_than_the_socket_holds_reach_the_writer_process(tmp_pat
     config.width = 4
     runner = ManyTensors(config)
     runner.train()  # with the descriptors first: hangs here (the test's timeout fails it)
-    state = torch.load(runner.run_dir.checkpoints / "ckpt-s000000000003" / "state.pth", weights_only=True)
+    state = torch.load(
+        runner.run_dir.checkpoints / "ckpt-s000000000003" / "state.pth", weights_only=True, map_location=runner.device
+    )
     assert len(state["optimizer"]["state"]) == 2 * 302
     assert all(torch.equal(state["model"][key], value) for key, value in runner.model.state_dict().items())
 
