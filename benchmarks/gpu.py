@@ -329,7 +329,8 @@ class StallRunner(Runner):
         return gpt_loss(self.model, self.unpack_batch(batch))
 
     def _reserve_snapshot_buffers(self) -> None:
-        self.reserve_started = time.perf_counter()
+        if self.reserve_started is None:  # called after every optimizer step; the buffers are made after the first
+            self.reserve_started = time.perf_counter()
         super()._reserve_snapshot_buffers()  # keep the pool, to say what its buffers cost
         if self.pool is None and self.config.ckpt.async_mode != "disabled":
             self.pool = self.checkpoints._async_saver().pool
@@ -401,6 +402,8 @@ def stall_mode(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any
         },
         "save_call_s": runner.save_calls,
         "save_phases_s": runner.save_phases,
+        # Every step's time, to compare the steps while a writer is busy with those while none is (and with `none`).
+        "step_ms": [round(gap * 1e3, 2) for gap in steps_between],
         "loop_s": runner.loop_end - ticks[0],
         "saves_in_loop": saves_in_loop,
         "median_step_s": typical,
