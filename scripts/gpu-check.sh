@@ -8,6 +8,7 @@
 #   tests   tests/cuda (kill -9 + rerun bit-exact on the GPU, pinned staging, staging on the device first)
 #   bench   benchmarks/gpu.py (runner vs hand loop, async vs sync stall of a 435M GPT)
 #   stall   the stall part alone: 5 saves 90 steps apart, what each save call spent its time on
+#   between 2 saves 150 steps apart, 301 steps: the steps while the writer writes against the same steps without saves
 #   profile the same, with torch.profiler traces (chrome format) of the steps around the second save in $OUT/traces
 #   suite   the single-process tests that resume, with CUDA visible (DDP tests run on gloo with CUDA hidden elsewhere;
 #           the random-kill tests, 60 processes, are left to tests/cuda's kill-and-resume cases)
@@ -46,8 +47,21 @@ for step in "${steps[@]}"; do
       ;;
     stall)  # 5 saves 90 steps apart (a sync save of the 435M GPT: 6.5 s on an H100, 7 s on an H200)
       timeout 330 python3 benchmarks/gpu.py --skip-steps --stall-steps 451 --interval 90 \
-        --stall-modes none,disabled,thread,process 2>&1 | tee "$OUT/gpu-stall.log"
+        --stall-modes none,disabled,thread,process 2>&1 | tee "$OUT/gpu-stall.log" | grep -v '^stall [a-z-]*: loop'
       cp bench-results/gpu.json "$OUT/gpu-stall.json" 2>/dev/null
+      ;;
+    between)  # do the steps slow down while the writer writes? 2 saves 150 steps apart, every step's time kept
+      timeout 300 python3 benchmarks/gpu.py --skip-steps --stall-steps 301 --interval 150 \
+        --stall-modes none,disabled,thread,process 2>&1 | tee "$OUT/gpu-between.log" | grep -v '^stall [a-z-]*: loop'
+      cp bench-results/gpu.json "$OUT/gpu-between.json" 2>/dev/null
+      python3 - "$OUT/gpu-between.json" <<'PY' | tee -a "$OUT/gpu-between.log"
+import json, statistics, sys
+ranges = [(1, 50), (50, 100), (100, 148), (152, 200), (200, 240), (245, 298)]
+print("median step ms in steps", ", ".join(f"{a}-{b}" for a, b in ranges), "(writer busy from 152 to about 240)")
+for mode, run in json.load(open(sys.argv[1]))["results"]["stall"].items():
+    steps = run["step_ms"]
+    print(f"{mode:10}", "  ".join(f"{statistics.median(steps[a:b]):6.1f}" for a, b in ranges))
+PY
       ;;
     profile)  # the stall runs again, with torch.profiler traces of the steps around the second save in $OUT/traces
       timeout 300 python3 benchmarks/gpu.py --skip-steps --stall-steps 271 --interval 90 --profile "$OUT/traces" 2>&1 \
