@@ -26,6 +26,7 @@ from perdure.checkpoints.async_save import (
 from perdure.checkpoints.commit import read_pointer
 from perdure.checkpoints.snapshot import BufferPool
 from perdure.checkpoints.staging import Staging, shared_pages
+from tests.runs import assert_same_weights
 from tests.scripts.resumable import ResumableRunner, make_config
 
 
@@ -152,11 +153,10 @@ def test_a_process_mode_run_hands_its_buffers_over_without_the_resource_sharer(t
     runner = ManyTensors(config)
     runner.train()
     assert served == [], f"{len(served)} descriptors went through multiprocessing's resource sharer"
-    state = torch.load(
-        runner.run_dir.checkpoints / "ckpt-s000000000006" / "state.pth", weights_only=True, map_location=runner.device
-    )
+    state = torch.load(runner.run_dir.checkpoints / "ckpt-s000000000006" / "state.pth", weights_only=True)
     live = runner.model.state_dict()
-    assert len(live) == 2 * 152 and all(torch.equal(state["model"][key], value) for key, value in live.items())
+    assert len(live) == 2 * 152
+    assert_same_weights(live, state["model"])  # compared on the CPU: the live model may be on a GPU
     assert len(state["optimizer"]["state"]) == 2 * 152
 
 
@@ -177,11 +177,9 @@ def test_more_descriptors_than_the_socket_holds_reach_the_writer_process(tmp_pat
     config.width = 4
     runner = ManyTensors(config)
     runner.train()  # with the descriptors first: hangs here (the test's timeout fails it)
-    state = torch.load(
-        runner.run_dir.checkpoints / "ckpt-s000000000003" / "state.pth", weights_only=True, map_location=runner.device
-    )
+    state = torch.load(runner.run_dir.checkpoints / "ckpt-s000000000003" / "state.pth", weights_only=True)
     assert len(state["optimizer"]["state"]) == 2 * 302
-    assert all(torch.equal(state["model"][key], value) for key, value in runner.model.state_dict().items())
+    assert_same_weights(runner.model.state_dict(), state["model"])
 
 
 def test_descriptors_the_kernel_refuses_fail_that_save_and_the_next_one_starts_a_new_writer(
