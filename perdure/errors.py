@@ -37,6 +37,11 @@ class WorkspaceError(PerdureError):
     Raised before the first training step; the message names the path, why, and the fix."""
 
 
+class CodeIdentityError(WorkspaceError):
+    """The program runs from a git checkout that git cannot read (no git on PATH, a broken index, ...): its code
+    identity, which names the run, is unknown. Raised before anything is written, with git's message and the fix."""
+
+
 class StackNotAvailableError(PerdureError):
     """The configured `stack` is not implemented in this version."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from perdure.config import RunnerConfig
+from perdure.errors import CodeIdentityError
 from perdure.workspace.identity import canonical_config, code_id, config_diff, config_id, git_state
 
 
@@ -225,9 +228,30 @@ def test_code_id_default_is_script_dir_or_cwd(repo: Path, monkeypatch: pytest.Mo
     assert code_id() == git(repo, "rev-parse", "HEAD")[:7]
 
 
-def test_code_id_without_gitpython(repo: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setitem(sys.modules, "git", None)  # import git -> ImportError
-    assert code_id(repo) is None
+def test_a_checkout_owned_by_another_user_keeps_its_code_id(repo: Path, tmp_path: Path):
+    (repo / "train.py").write_text("print('dirty')\n")
+    before, state = code_id(repo), git_state(repo)
+    shutil.chown(repo, user=12345)  # git now refuses the checkout ("dubious ownership") to plain queries
+    for path in repo.rglob("*"):
+        os.chown(path, 12345, 12345, follow_symlinks=False)
+    refused = subprocess.run(["git", "status"], cwd=repo, capture_output=True, text=True)
+    assert refused.returncode != 0 and "dubious ownership" in refused.stderr
+    assert code_id(repo) == before and code_id(repo / "train.py") == before
+    assert git_state(repo) == state
+
+
+def test_git_missing_from_path_stops_with_the_fix(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
+    for identify in (code_id, git_state):
+        with pytest.raises(CodeIdentityError, match=r"no `git` program is on PATH .*no-git-here.*--workspace.code_id"):
+            identify(repo)
+    assert code_id(tmp_path / "plain") is None  # outside a checkout git is not needed
+
+
+def test_a_broken_index_stops_with_gits_message(repo: Path):
+    (repo / ".git" / "index").write_bytes(b"junk")
+    with pytest.raises(CodeIdentityError, match=r"index file smaller than expected.*rm .git/index && git reset"):
+        code_id(repo)
 
 
 def test_git_state(repo: Path):

@@ -9,12 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from perdure.config import flatten, plain_dict
+from perdure.errors import CodeIdentityError
 
 # Keys that do not change the maths, as dotted prefixes (`*` matches one section name, e.g. a dataloader split).
 # They are left out of `config_id`: logging, where the run lives, where it restores from, how checkpoints are
@@ -55,6 +58,7 @@ NON_IDENTITY_KEYS = (
     "parallel.pipeline",
     "parallel.fsdp",
     "parallel.activation_checkpointing",
+    "parallel.loss_parallel",
 )
 
 DEEPSPEED_STACKS = ("deepspeed", "ds")
@@ -117,7 +121,10 @@ def _keep_earlier_form(canonical: dict[str, Any]) -> None:
     """Keys added or renamed since runs were first made, in the form those runs hashed, as long as they hold what an
     earlier run could express: the run directory (and `--checkpoint`'s config check) of a run made before stays the
     same after an upgrade of perdure. `eval.interval` was `eval_interval`, and `eval.steps` did not exist: while
-    `eval.steps` is null, the section is hashed as the single key `eval_interval`."""
+    `eval.steps` is null, the section is hashed as the single key `eval_interval`. `loss.normalize` did not exist:
+    its default (`mean`, what every earlier run did) is left out."""
+    if canonical.get("loss") == {"normalize": "mean"}:
+        del canonical["loss"]
     section = canonical.get("eval")
     if isinstance(section, dict) and set(section) == {"steps", "interval"} and section["steps"] is None:
         items = [
@@ -162,42 +169,80 @@ def _default_path() -> Path:
     return script.resolve().parent if script is not None and script.is_file() else Path.cwd()
 
 
-def _open_repo(path: str | os.PathLike | None) -> Any:
-    """A `git.Repo` with at least one commit containing `path`, or None (no git, not a repo, no commits)."""
+def checkout_root(path: str | os.PathLike | None = None) -> Path | None:
+    """The git checkout holding `path` (default: the script's directory, else the cwd): the nearest directory at or
+    above it with a `.git` entry (a directory, or a file for a worktree or a submodule); None outside any checkout.
+    Found without running git, so that a checkout git cannot read is still known to be one."""
+    where = (Path(path) if path is not None else _default_path()).absolute()
+    if where.is_file():
+        where = where.parent
+    for directory in (where, *where.parents):
+        if os.path.lexists(directory / ".git"):
+            return directory.resolve()
+    return None
+
+
+# Variables that would point git at another repository or index than the checkout's own.
+_GIT_REDIRECTS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY", "GIT_COMMON_DIR")
+_GIT_TIMEOUT_S = 300.0
+
+
+def _git(root: Path, *args: str, allowed: tuple[int, ...] = (0,)) -> tuple[int, bytes]:
+    """Run a read-only git query in the checkout `root`; (exit status, stdout) when the status is in `allowed`, else
+    `CodeIdentityError` with git's own message and the fix.
+
+    `safe.directory=<root>`: git refuses a checkout owned by another user ("dubious ownership") because its
+    configuration could run that user's commands. The program we identify lives in that very checkout and is
+    running already, so trusting its configuration for these queries adds nothing: the code identity stays the one
+    its owner gets.
+    """
+    git = shutil.which("git")
+    if git is None:
+        raise CodeIdentityError(
+            f"{root} is a git checkout, but no `git` program is on PATH ({os.environ.get('PATH', '')}): perdure names "
+            "the run by the commit and the diff that run. Install git or put it on PATH, or name the run's code "
+            "yourself with --workspace.code_id NAME"
+        )
+    env = {key: value for key, value in os.environ.items() if key not in _GIT_REDIRECTS}
+    command = [git, "-c", f"safe.directory={root}", "-C", str(root), *args]
     try:
-        import git
-
-        where = Path(path) if path is not None else _default_path()
-        if where.is_file():
-            where = where.parent
-        repo = git.Repo(where, search_parent_directories=True)
-    except Exception:
-        return None
-    if repo.bare or not repo.head.is_valid():
-        repo.close()
-        return None
-    return repo
+        result = subprocess.run(command, capture_output=True, env=env, timeout=_GIT_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise CodeIdentityError(f"cannot run `git {args[0]}` in the checkout {root}: {error}. {_GIT_FIX}") from None
+    if result.returncode not in allowed:
+        said = result.stderr.decode("utf-8", errors="replace").strip()[-2000:] or f"exit {result.returncode}"
+        raise CodeIdentityError(f"`git {args[0]}` failed in the checkout {root}: {said}. {_GIT_FIX}")
+    return result.returncode, result.stdout
 
 
-def _diff(repo: Any) -> bytes:
+_GIT_FIX = (
+    "perdure names the run by the commit and the diff that run, and starts nothing it cannot name: repair the "
+    "checkout (`git status` there shows the same error; a broken index is rebuilt with `rm .git/index && git "
+    "reset`), or name the run's code yourself with --workspace.code_id NAME"
+)
+
+
+def _head(root: Path) -> str | None:
+    """The full sha of HEAD, None in a repository without commits."""
+    status, out = _git(root, "rev-parse", "--verify", "--quiet", "HEAD^{commit}", allowed=(0, 1))
+    return out.decode().strip() if status == 0 else None
+
+
+def _diff(root: Path) -> bytes:
     """`git diff HEAD` of tracked files (staged or not, binary included); untracked files do not count."""
-    return repo.git.diff(*_DIFF_ARGS, stdout_as_string=False, strip_newline_in_stdout=False)
+    return _git(root, "diff", *_DIFF_ARGS)[1]
 
 
 def code_id(path: str | os.PathLike | None = None) -> str | None:
-    """Short sha of HEAD of the repo containing `path`, plus `-d<10 hex>` hashing the diff when tracked files are
-    dirty. `path` defaults to the script's directory (else the cwd). None outside a git repo or without git."""
-    repo = _open_repo(path)
-    if repo is None:
+    """Short sha of HEAD of the checkout containing `path`, plus `-d<10 hex>` hashing the diff when tracked files
+    are dirty. `path` defaults to the script's directory (else the cwd). None outside a git checkout or in one
+    without commits; `CodeIdentityError` (git's message and the fix) when git cannot read the checkout."""
+    root = checkout_root(path)
+    sha = _head(root) if root is not None else None
+    if sha is None:
         return None
-    try:
-        sha = repo.head.commit.hexsha[:7]
-        diff = _diff(repo)
-    except Exception:
-        return None
-    finally:
-        repo.close()
-    return f"{sha}-d{hashlib.sha256(diff).hexdigest()[:10]}" if diff else sha
+    diff = _diff(root)
+    return f"{sha[:7]}-d{hashlib.sha256(diff).hexdigest()[:10]}" if diff else sha[:7]
 
 
 SOURCE_PREFIX = "src-"
@@ -257,26 +302,21 @@ def program_code_id(path: str | os.PathLike | None = None) -> str:
 
 def git_state(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
     """Git facts for run metadata: commit, code_id, branch (None when detached), dirty, remote (origin url or None),
-    root and the diff text. None outside a git repo or without git."""
-    repo = _open_repo(path)
-    if repo is None:
+    root and the diff text. None outside a git checkout or in one without commits; `CodeIdentityError` as
+    `code_id`."""
+    root = checkout_root(path)
+    commit = _head(root) if root is not None else None
+    if commit is None:
         return None
-    try:
-        commit = repo.head.commit.hexsha
-        diff = _diff(repo)
-        branch = None if repo.head.is_detached else repo.active_branch.name
-        remote = next((r.url for r in repo.remotes if r.name == "origin"), None)
-        root = repo.working_tree_dir
-    except Exception:
-        return None
-    finally:
-        repo.close()
+    diff = _diff(root)
+    status, branch = _git(root, "symbolic-ref", "--quiet", "--short", "HEAD", allowed=(0, 1))
+    found, remote = _git(root, "config", "--get", "remote.origin.url", allowed=(0, 1))
     return {
         "commit": commit,
         "code_id": f"{commit[:7]}-d{hashlib.sha256(diff).hexdigest()[:10]}" if diff else commit[:7],
-        "branch": branch,
+        "branch": branch.decode().strip() if status == 0 else None,
         "dirty": bool(diff),
-        "remote": remote,
+        "remote": remote.decode().strip() if found == 0 else None,
         "root": str(root),
         "diff": diff.decode("utf-8", errors="replace"),
     }

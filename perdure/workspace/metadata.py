@@ -24,7 +24,7 @@ import yaml
 
 from perdure.checkpoints.commit import atomic_write_text
 from perdure.config import RunnerConfig, flatten
-from perdure.errors import PerdureError
+from perdure.errors import CodeIdentityError, PerdureError
 from perdure.safe_io import ensure_dir
 from perdure.workspace.identity import canonical_config, git_state
 
@@ -58,7 +58,10 @@ def write_metadata(
 
 def metadata_texts(config: RunnerConfig, *, code_path: str | os.PathLike | None = None) -> dict[str, str]:
     """The content of each file in `METADATA_FILES`, by name."""
-    state = git_state(code_path)
+    try:
+        state = git_state(code_path)
+    except CodeIdentityError as error:  # reached only with `workspace.code_id` set (see `run_dir._running_code_id`)
+        state = {"error": str(error), "diff": ""}
     git_facts = None if state is None else {key: value for key, value in state.items() if key != "diff"}
     return {
         "config.full.yaml": _yaml(config.to_plain()),

@@ -8,6 +8,7 @@ in another directory (see `launch.py`). The code that actually ran is recorded b
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import stat
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.config import RunnerConfig, check_path_component
-from perdure.errors import WorkspaceError
+from perdure.errors import CodeIdentityError, WorkspaceError
 from perdure.safe_io import UnsafeFileError, check_inside, ensure_dir, kind_of
 from perdure.workspace.identity import config_id as compute_config_id
 from perdure.workspace.identity import program_code_id
@@ -25,6 +26,8 @@ from perdure.workspace.launch import Launch, current_launch, entry_path, read_en
 
 DEFAULT_ROOT = "runs"
 ROOT_ENV = "PERDURE_ROOT"
+
+logger = logging.getLogger("perdure")
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,7 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
         check_path_component(f"workspace.{key}", workspace.get(key))
     root, root_origin = _root_and_origin(config)
     lineage = workspace.get("lineage") or default_lineage(runner_class_name)
-    running = program_code_id()
+    running = _running_code_id(pinned=workspace.get("code_id"))
     code = workspace.get("code_id") or running
     cfg = compute_config_id(config)
     workspace_id = workspace.get("id")
@@ -179,6 +182,19 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
         workspace_id=workspace_id,
         root_origin=root_origin,
     )
+
+
+def _running_code_id(pinned: str | None) -> str | None:
+    """The code identity of this process. A checkout git cannot read stops the launch (`CodeIdentityError`), unless
+    `workspace.code_id` names the run: then the attempt records its code as unknown, with a warning."""
+    try:
+        return program_code_id()
+    except CodeIdentityError as error:
+        if not pinned:
+            raise
+        logger.warning("%s. The run is named by --workspace.code_id %s; this attempt's code is recorded as unknown",
+                       error, pinned)  # fmt: skip
+        return None
 
 
 def check_under_root(path: Path, root: Path) -> Path:
