@@ -61,6 +61,7 @@ DIST_BACKENDS = ("auto", "nccl", "gloo")
 PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 EXPORT_FORMATS = ("pth", "safetensors")
+LOSS_NORMALIZATIONS = ("mean", "tokens")  # perdure.runners.accumulation
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
 
 
@@ -81,6 +82,7 @@ _CHOICES: dict[str, tuple] = {
     "dist.backend": DIST_BACKENDS,
     "parallel.pipeline.schedule": PIPELINE_SCHEDULES,
     "compile.mode": COMPILE_MODES,
+    "loss.normalize": LOSS_NORMALIZATIONS,
 }
 MAX_ACCUM_STEPS = 1 << 16  # perdure.data.loader.MAX_UNTAKEN_BATCHES
 # key: (minimum, None allowed)
@@ -133,6 +135,7 @@ class RunnerConfig(chanfig.Config):
         self.max_grad_norm = None  # clip the gradient norm to this; None or 0: no clipping
         self.skip_nonfinite_grad = True  # skip (and count) an optimizer step whose gradients are not finite
         self.deterministic = False  # deterministic kernels (GPU resumes bit-exact); see docs/checkpoints.md
+        self.loss.normalize = "mean"  # mean: train_step returns a mean; tokens: a sum, divided by the window's tokens
         self.checkpoint = None  # start a new run from this checkpoint's full state
         self.resume = "auto"  # auto: continue this run's latest checkpoint; false: refuse to start over one
         self.pretrained = None  # start from these model weights only (an export or a checkpoint)

@@ -45,6 +45,7 @@ from perdure.loggers.console import (
 )
 from perdure.resilience.run_lock import RunLock
 from perdure.resilience.signals import PreemptionHandler
+from perdure.runners.accumulation import AccumulationMixin
 from perdure.runners.attempt import AttemptMixin
 from perdure.runners.cadence import Cadence
 from perdure.runners.checkpointing import CheckpointingMixin, building_for_inspection
@@ -80,7 +81,10 @@ class RunnerMeta(ABCMeta):
         return runner
 
 
-class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin, DataSetupMixin, metaclass=RunnerMeta):
+class BaseRunner(
+    AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin, DataSetupMixin, AccumulationMixin,
+    metaclass=RunnerMeta,
+):  # fmt: skip
     """The training lifecycle shared by every stack. Subclass a stack (or `Runner`), not this class."""
 
     # None: the manager comes from `ckpt.backend` (`perdure.checkpoints.select.manager_class`: auto is DCP with several
@@ -466,25 +470,6 @@ class BaseRunner(AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin
                 window = []
         if window:
             yield window
-
-    def forward_backward(self, window: list[Any]) -> torch.Tensor:
-        """Forward and backward of one accumulation window (its micro-batches, in order); returns the window's loss
-        (the mean of the micro-batch losses, detached) for logging.
-
-        Called once per window with zeroed gradients, before `optimizer_step`. The default runs `train_step` per
-        micro-batch inside `no_sync` and `autocast`, and `backward` on the loss divided by the window's length; a
-        stack whose schedule drives forward and backward itself (pipeline parallelism) overrides it. Must leave the
-        window's summed, scaled gradients in place and must not step the optimizer or change `self.state`.
-        """
-        losses = []
-        for index, batch in enumerate(window):
-            with self.no_sync(last_micro_batch=index == len(window) - 1):
-                with self.autocast():
-                    output = self.train_step(batch)
-                loss = output["loss"] if isinstance(output, Mapping) else output
-                self.backward(loss if len(window) == 1 else loss / len(window))
-            losses.append(loss.detach())
-        return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
 
     def _train_window(self, window: list[Any], loader: ResumableLoader) -> bool:
         """One optimizer step over `window`; False when it did not count (`begin_step` / `commit_step`)."""

@@ -109,6 +109,9 @@ class ParallelRunner(TorchRunner):
             raise ConfigError("precision", "fp16", fix)
         if topology.pipeline == 1:
             return
+        if config.loss.normalize == "tokens":
+            fix = "the pipeline schedule calls self.criterion, whose loss is a mean per microbatch; use mean"
+            raise ConfigError("loss.normalize", "tokens", fix)
         for method in ("train_step", "evaluate_step"):
             if getattr(type(self), method) is not getattr(ParallelRunner, method):
                 raise ConfigError(

@@ -14,6 +14,7 @@ from perdure.distributed.collectives import all_ranks
 from perdure.distributed.ddp import FixedLayoutDDP
 from perdure.distributed.process_group import init_process_group, local_device
 from perdure.errors import ConfigError
+from perdure.runners.accumulation import check_loss_normalization
 from perdure.runners.base import BaseRunner
 from perdure.runners.compile import compile_model, uncompiled
 
@@ -43,6 +44,7 @@ class TorchRunner(BaseRunner):
                 "perdure.Runner (it adds the TorchFT layer when ft.enabled), or list perdure.FaultTolerant before "
                 "TorchRunner among your class's bases, or set --ft.enabled false",
             )
+        check_loss_normalization(type(self), config)
         super().__init__(config)
         self.device = self.select_device()
         if self.device.type == "cuda":
