@@ -41,8 +41,9 @@ SLURM_DIR = "slurm"
 DEFAULT_SIGNAL_BEFORE_S = 120
 _SBATCH_TIMEOUT_S = 60
 _TASK_POLL_S = 0.2
-_TIME_PATTERN = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$|^\d+-\d+$|^(INFINITE|UNLIMITED)$", re.IGNORECASE)
-_ARG_PATTERN = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=.*)?$")
+# Matched whole (`fullmatch`: `$` would also match before a final newline).
+_TIME_PATTERN = re.compile(r"(\d+-)?\d+(:\d+){0,2}|\d+-\d+|INFINITE|UNLIMITED", re.IGNORECASE)
+_ARG_PATTERN = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?")
 
 # SLURM job states, as our states (for rows the task could not update itself).
 SLURM_TO_STATE = {
@@ -112,7 +113,10 @@ def submit(
     """
     sweep_dir = Path(sweep_dir).resolve()
     options = _sbatch_options(partition, time_limit, gpus_per_job, signal_before, sbatch_args)
+    _one_line("the sweep folder", sweep_dir)
+    _one_line("the Python interpreter", sys.executable)
     with locked_state(sweep_dir) as state:
+        _one_line("the sweep's workdir (matrix key workdir)", state.workdir)
         rows = [row for row in state.jobs if row.state in CLAIMABLE and row.slurm_job is None]
         if max_tasks is not None:
             if max_tasks < 1:
@@ -126,6 +130,8 @@ def submit(
             f"--output={sweep_dir / SLURM_DIR}/%A_%a.out",
             f"--chdir={state.workdir}",
         ]
+        for row in rows:
+            _one_line("job id", row.id)
         script = sweep_dir / SLURM_DIR / f"array-{utc_stamp()}.sh"
         command = ["sbatch", "--parsable", *options, str(script)]
         text = TASK_SCRIPT.format(
@@ -145,6 +151,17 @@ def submit(
     return array_id, [row.id for row in rows], script
 
 
+def _one_line(what: str, value: object) -> None:
+    """Every value written into the task script stays on its line: a newline (or NUL) ends a line of bash, even one
+    quoted in a comment, and what follows would run as a command of the array task."""
+    text = str(value)
+    if any(char in text for char in "\n\r\0"):
+        raise SweepError(
+            f"{what} {text!r} holds a newline or NUL: it would end a line of the SLURM task script and the rest would "
+            "run as a command. Rename it (or give another one) and submit again; nothing was submitted."
+        )
+
+
 def _sbatch_options(
     partition: str | None, time_limit: str | None, gpus_per_job: int | None, signal_before: int, extra: Sequence[str]
 ) -> list[str]:
@@ -152,11 +169,11 @@ def _sbatch_options(
         raise SweepError(f"--signal-before {signal_before}: give the seconds before the time limit (>= 1)")
     options = ["--job-name=perdure-sweep", "--requeue", "--open-mode=append", f"--signal=B:USR1@{signal_before}"]
     if partition is not None:
-        if not re.match(r"^[A-Za-z0-9_.,-]+$", partition):
+        if not re.fullmatch(r"[A-Za-z0-9_.,-]+", partition):
             raise SweepError(f"--partition {partition!r}: not a partition name")
         options.append(f"--partition={partition}")
     if time_limit is not None:
-        if not _TIME_PATTERN.match(time_limit):
+        if not _TIME_PATTERN.fullmatch(time_limit):
             raise SweepError(f"--time {time_limit!r}: use SLURM's form: minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]")
         options.append(f"--time={time_limit}")
     if gpus_per_job is not None:
@@ -165,7 +182,8 @@ def _sbatch_options(
         if gpus_per_job:
             options.append(f"--gres=gpu:{gpus_per_job}")
     for arg in extra:
-        if not _ARG_PATTERN.match(arg) or arg.split("=")[0] in ("--array", "--output", "--parsable", "--wrap"):
+        _one_line("--sbatch-arg", arg)
+        if not _ARG_PATTERN.fullmatch(arg) or arg.split("=")[0] in ("--array", "--output", "--parsable", "--wrap"):
             raise SweepError(f"--sbatch-arg {arg!r}: give one sbatch option as --name=value (not --array/--output)")
         options.append(arg)
     return options
