@@ -1,6 +1,6 @@
-"""A requeued job continues its run whatever changed in the checkout; a manual rerun after a commit is a new run, said
-out loud, and `--workspace.code_id` continues the old one. The program lives in its own git repository, as a user's
-would, and is stopped by a real SIGTERM after its first checkpoint."""
+"""A requeued job continues its run whatever changed in the checkout; so does a manual rerun of an unfinished run after
+a commit (said in one warning), while a completed run is never continued implicitly. The program lives in its own git
+repository, as a user's would, and is stopped by a real SIGTERM or SIGKILL after its first checkpoint."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from perdure.checkpoints.commit import read_pointer
 from perdure.workspace.launch import Launch, current_launch, entry_path, read_entry, write_entry
 from perdure.workspace.sidecar import read_sidecar
 from tests import zygote
@@ -44,8 +43,8 @@ def repo(tmp_path):
     return repo
 
 
-def commit_something(repo: Path) -> str:
-    (repo / "README.md").write_text("a training program, documented\n")
+def commit_something(repo: Path, text: str = "a training program, documented") -> str:
+    (repo / "README.md").write_text(text + "\n")
     git(repo, "commit", "-q", "-am", "docs")
     return git(repo, "rev-parse", "--short=7", "HEAD")
 
@@ -144,30 +143,75 @@ def test_an_interactive_rerun_with_the_same_job_id_is_a_fresh_launch(repo, tmp_p
     commit_something(repo)
     result = train(repo, root, SLURM_JOB_ID="9")  # no restart count: srun again inside the same allocation
     assert_ok(result)
-    assert len(run_dirs(root)) == 2
-    assert "--workspace.code_id" in result.stdout
+    assert "of launch" not in result.stdout  # not a restart: it continues the unfinished run as a fresh launch does
+    assert "continuing the run" in result.stdout and len(run_dirs(root)) == 1
 
 
-def test_a_manual_rerun_after_a_commit_names_the_run_it_could_continue(repo, tmp_path, reference):
+def warnings(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stdout.splitlines() if " WARNING " in line]
+
+
+def test_a_killed_run_continues_after_a_commit_of_an_unrelated_file(repo, tmp_path, reference):
     root = tmp_path / "runs"
     before = git(repo, "rev-parse", "--short=7", "HEAD")
+    killed = train(repo, root, KILL_AT_STEP="15")
+    assert killed.returncode == -9, killed.stdout
+    after = commit_something(repo)
+    (stopped,) = run_dirs(root)
+
+    rerun = train(repo, root, LOSS_LOG=str(tmp_path / "losses.jsonl"))  # the same command
+    assert_ok(rerun)
+    (warning,) = warnings(rerun)  # one warning, naming both code identities
+    assert f"continuing the run {stopped} (step 10, code {before}" in warning and f"this code {after}" in warning
+    assert "--workspace.continue_unfinished false" in warning
+    run = assert_continued_exactly_in(stopped, reference, tmp_path / "losses.jsonl")
+    assert run_dirs(root) == [stopped]
+    attempts = read_sidecar(run / "sidecar.json")["attempts"]
+    assert [attempt["code_id"] for attempt in attempts] == [before, after]
+    assert [attempt["status"] for attempt in attempts] == ["interrupted", "completed"]
+    assert after in (run / "metadata" / "attempts" / attempts[1]["started"] / "git.yaml").read_text()
+    assert train(repo, root).stdout.count("nothing to train") == 1  # the same command again: the same, finished run
+
+    # A completed run is never continued implicitly: after another commit the same command starts a new run.
+    newer = commit_something(repo, "a training program, documented twice")
+    fresh = train(repo, root, "--steps", "5")
+    assert_ok(fresh)
+    assert len(run_dirs(root)) == 2 and "continuing the run" not in fresh.stdout
+    (named,) = warnings(fresh)
+    assert f"{stopped} (step 30, code {before}" in named and f"a new run in {root}/resumable-{newer}/" in named
+
+
+def test_continue_unfinished_false_starts_a_separate_run(repo, tmp_path):
+    root = tmp_path / "runs"
     train_until_sigterm(repo, root)
     commit_something(repo)
     (stopped,) = run_dirs(root)
+    separate = train(repo, root, "--steps", "5", "--workspace.continue_unfinished", "false")
+    assert_ok(separate)
+    assert len(run_dirs(root)) == 2 and "training " in separate.stdout and "from step 0" in separate.stdout
+    (named,) = warnings(separate)
+    assert str(stopped) in named and "This start is a new run" in named
 
-    fresh = train(repo, root, "--steps", "5")  # a new run: said out loud, with the option that continues the old one
-    assert_ok(fresh)
-    warning = next(line for line in fresh.stdout.splitlines() if "same lineage and config" in line)
-    saved = int(read_pointer(stopped / "checkpoints", "latest").removeprefix("ckpt-s"))  # the step SIGTERM saved
-    assert str(stopped) in warning and f"(step {saved}, code {before}" in warning, warning
-    assert f"--workspace.code_id {before}" in warning
-    assert len(run_dirs(root)) == 2
 
-    continued = train(repo, root, "--workspace.code_id", before, LOSS_LOG=str(tmp_path / "losses.jsonl"))
-    assert_ok(continued)
-    assert "resuming from" in continued.stdout and "same lineage and config" not in continued.stdout
-    run = assert_continued_exactly_in(stopped, reference, tmp_path / "losses.jsonl")
-    assert read_sidecar(run / "sidecar.json")["attempts"][-1]["code_id"] != before
+def test_a_checkout_git_refuses_is_the_same_run_or_a_clear_refusal(repo, tmp_path, reference):
+    root = tmp_path / "runs"
+    train_until_sigterm(repo, root)
+    (stopped,) = run_dirs(root)
+    listing = sorted((str(path), path.stat().st_mtime_ns) for path in root.rglob("*"))
+
+    no_git = train(repo, root, PATH=str(tmp_path / "no-git-here"))  # git missing from PATH: nothing is written
+    assert no_git.returncode == 1, no_git.stdout
+    assert "no `git` program is on PATH" in no_git.stderr and "--workspace.code_id" in no_git.stderr
+    assert sorted((str(path), path.stat().st_mtime_ns) for path in root.rglob("*")) == listing
+
+    for path in [repo, *repo.rglob("*")]:  # a checkout owned by another user: git says "dubious ownership"
+        os.chown(path, 12345, 12345, follow_symlinks=False)
+    assert subprocess.run(["git", "-C", str(repo), "status"], capture_output=True).returncode != 0
+    rerun = train(repo, root, LOSS_LOG=str(tmp_path / "losses.jsonl"))
+    assert_ok(rerun)
+    assert warnings(rerun) == [] and "resuming from" in rerun.stdout
+    assert_continued_exactly_in(stopped, reference, tmp_path / "losses.jsonl")
+    assert run_dirs(root) == [stopped]
 
 
 def assert_continued_exactly_in(run: Path, reference: dict, losses: Path) -> Path:

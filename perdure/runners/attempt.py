@@ -90,6 +90,13 @@ class AttemptMixin:
                 run_dir.launch.key,
                 run_dir.path,
             )
+        if run_dir.unfinished is not None:
+            self.logger.warning(
+                "no checkpoint of this config under this code's name: continuing the run %s, status %s, with this "
+                "code %s (recorded on the attempt, diff included). To start a separate run instead, rerun with "
+                "--workspace.continue_unfinished false",
+                run_dir.unfinished.describe(), run_dir.unfinished.status, run_dir.running_code_id,
+            )  # fmt: skip
         if source.kind == "resume" or run_dir.root is None:
             return
         siblings = sibling_runs(

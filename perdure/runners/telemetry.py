@@ -85,7 +85,7 @@ class RunTelemetry:
         )
         previous = self.sidecar.current_attempt
         ran = previous.get("code_id") if previous is not None else None
-        if ran and details.get("code_id") and ran != details["code_id"]:
+        if ran and details.get("code_id") and ran != details["code_id"] and self.run_dir.unfinished is None:
             logger.warning(
                 "the code changed between attempts of run %s: the previous attempt ran %s, this one runs %s (each "
                 "attempt's code and diff are in metadata/attempts/)",

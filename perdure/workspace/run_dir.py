@@ -1,8 +1,9 @@
 """Where a run lives: `<root>/<lineage>-<code_id>/<code_id>-<config_id>/`.
 
-`code_id` is the identity of the code that runs (see `identity.program_code_id`), unless `workspace.code_id` pins it
-(to continue a run after a code change) or the launch index says this process is a restart of a launch that started
-in another directory (see `launch.py`). The code that actually ran is recorded by every attempt either way.
+`code_id` is the identity of the code that runs (see `identity.program_code_id`), unless `workspace.code_id` pins it,
+the launch index says this process is a restart of a launch that started in another directory (see `launch.py`), or
+this launch finds no checkpoint under its own name and continues an unfinished run of the same lineage and config
+that other code trained (see `siblings.py`). The code that actually ran is recorded by every attempt either way.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from perdure.checkpoints.resolve import committed_checkpoints
 from perdure.config import RunnerConfig, check_path_component
 from perdure.errors import CodeIdentityError, WorkspaceError
 from perdure.safe_io import UnsafeFileError, check_inside, ensure_dir, kind_of
 from perdure.workspace.identity import config_id as compute_config_id
 from perdure.workspace.identity import program_code_id
 from perdure.workspace.launch import Launch, current_launch, entry_path, read_entry
+from perdure.workspace.siblings import SiblingRun, sibling_runs, unfinished_sibling
 
 DEFAULT_ROOT = "runs"
 ROOT_ENV = "PERDURE_ROOT"
@@ -42,6 +45,7 @@ class RunDir:
     running_code_id: str | None = None  # the code this process runs (differs after a pinned or launch restart)
     launch: Launch | None = None
     continued_launch: bool = False  # found through the launch index (a restart of `launch`)
+    unfinished: SiblingRun | None = None  # the unfinished run of other code this fresh launch continues
     root: Path | None = None
     workspace_id: str | None = None  # `workspace.id` when the config sets one
     root_origin: str = "the given root"  # where `root` came from: `--workspace.root`, `$PERDURE_ROOT`, ...
@@ -150,6 +154,8 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
 
     A restart of a launch (see `launch.current_launch`) continues the directory the launch's first attempt recorded
     in the launch index, whatever the code is now; otherwise `workspace.code_id`, when set, stands for the code.
+    Otherwise a launch that finds no checkpoint under its own code's name continues the unfinished run of the same
+    lineage and config that other code trained (`workspace.continue_unfinished`, default true).
     """
     workspace = config.get("workspace") or {}
     for key in ("lineage", "id", "code_id"):  # a stored config (from_checkpoint) reaches here before check()
@@ -169,6 +175,11 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
         entry = read_entry(index, root)
         if entry is not None:
             path, code, run_id, continued = root / entry["run_dir"], entry["code_id"], entry["run_id"], True
+    unfinished = None
+    if not continued and not workspace.get("code_id") and workspace.get("continue_unfinished", True):
+        unfinished = _unfinished_run_of_other_code(path, root, lineage, cfg, workspace_id, running)
+        if unfinished is not None:
+            path, code, run_id = unfinished.path, unfinished.path.parent.name[len(lineage) + 1 :], unfinished.path.name
     return RunDir(
         path=check_under_root(path, root),
         lineage=lineage,
@@ -178,10 +189,22 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
         running_code_id=running,
         launch=launch,
         continued_launch=continued,
+        unfinished=unfinished,
         root=root,
         workspace_id=workspace_id,
         root_origin=root_origin,
     )
+
+
+def _unfinished_run_of_other_code(
+    path: Path, root: Path, lineage: str, config_id: str, workspace_id: str | None, running: str | None
+) -> SiblingRun | None:
+    """A fresh launch whose own directory (`path`) has no checkpoint continues the unfinished run of the same lineage
+    and config that other code trained (see `siblings.unfinished_sibling`); None when there is none to continue."""
+    if committed_checkpoints(path / "checkpoints"):
+        return None
+    siblings = sibling_runs(root, lineage=lineage, config_id=config_id, workspace_id=workspace_id, exclude=path)
+    return unfinished_sibling(siblings, lineage=lineage, running_code_id=running)
 
 
 def _running_code_id(pinned: str | None) -> str | None:

@@ -1,8 +1,9 @@
-"""Sibling runs: the same lineage and config under another code identity, found so that a fresh start can say so.
+"""Sibling runs: the same lineage and config under another code identity.
 
-A manual rerun after a commit starts a new run (the code identity is part of the directory's name). That is right
-when the change matters, and a surprise when it does not: so a fresh start names the runs it could have continued and
-the option that continues one (`--workspace.code_id`).
+The code identity is part of a run directory's name, so a rerun after a commit (or a pull, or an edit of an
+unrelated tracked file) finds no checkpoint under its own name. A fresh launch in that case continues the sibling
+that is unfinished (`unfinished_sibling`: its status is not `completed`), in that sibling's directory; a completed
+sibling is only named (a new run starts), with the option that continues it (`--workspace.code_id`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from perdure.checkpoints.commit import read_manifest
 from perdure.checkpoints.resolve import committed_checkpoints
 from perdure.errors import CheckpointCorruptError
+from perdure.workspace.sidecar import SIDECAR_NAME, SidecarError, read_sidecar
 
 MAX_GROUPS = 200
 MAX_RUNS = 1000
@@ -29,6 +31,14 @@ class SiblingRun:
     checkpoint: str
     step: int | None
     age_s: float | None
+    status: str | None = None  # the sidecar's (None: no readable sidecar)
+    lineage: str | None = None  # the sidecar's
+    last_code_id: str | None = None  # the code the run's last attempt ran (the sidecar's)
+
+    @property
+    def unfinished(self) -> bool:
+        """A run that has not completed, known from its sidecar (a run without one is not continued implicitly)."""
+        return self.status is not None and self.status != "completed"
 
     def describe(self) -> str:
         step = "?" if self.step is None else str(self.step)
@@ -74,14 +84,36 @@ def _newest(run: Path, config_id: str, code_from_name: str) -> SiblingRun | None
             return None
         step = manifest.get("global_step")
         code = manifest.get("code_id")
+        sidecar = _sidecar(run)
+        attempts = sidecar.get("attempts") or [{}]
         return SiblingRun(
             path=run,
             code_id=code if isinstance(code, str) else code_from_name,
             checkpoint=path.name,
             step=step if isinstance(step, int) else None,
             age_s=_seconds_since(manifest.get("created")),
+            status=sidecar.get("status"),
+            lineage=sidecar.get("lineage"),
+            last_code_id=attempts[-1].get("code_id") if isinstance(attempts[-1].get("code_id"), str) else None,
         )
     return None
+
+
+def _sidecar(run: Path) -> dict:
+    try:
+        return read_sidecar(run / SIDECAR_NAME)
+    except SidecarError:
+        return {}
+
+
+def unfinished_sibling(siblings: list[SiblingRun], *, lineage: str, running_code_id: str | None) -> SiblingRun | None:
+    """The sibling a fresh launch (no checkpoint under its own name) continues: the run this very code already
+    continued (its last attempt ran `running_code_id`), else the unfinished one with the newest checkpoint. Only runs
+    whose sidecar names the same lineage count (a lineage `mlp` must not take a run of `mlp-big`)."""
+    same = [sibling for sibling in siblings if sibling.lineage == lineage and sibling.status is not None]
+    ours = [s for s in same if running_code_id is not None and s.last_code_id == running_code_id]
+    unfinished = [sibling for sibling in same if sibling.unfinished]
+    return (ours or unfinished or [None])[0]
 
 
 def _seconds_since(created: object) -> float | None:
