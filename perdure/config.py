@@ -103,8 +103,8 @@ _COUNTS: dict[str, tuple[int, bool]] = {
 }
 _BOOLS = (
     "skip_nonfinite_grad",
-    "deterministic",
     "workspace.continue_unfinished",
+    "deterministic",
     "ckpt.enabled",
     "ckpt.save_best",
     "ema.enabled",
@@ -183,9 +183,9 @@ class RunnerConfig(chanfig.Config):
         self.workspace.lineage = None  # group runs under this name; None: from the runner class name
         self.workspace.id = None  # name the run directory yourself; None: <code_id>-<config_id>
         self.workspace.code_id = None  # pin the code part of the run's name, to continue a run after a code change
+        self.workspace.continue_unfinished = True  # a fresh launch continues an unfinished run of other code
         self.workspace.tags = []  # free-form tags (perdure runs ls --tag)
         self.log.interval = 50  # a train log line (loss, lr, throughput, memory, ETA) every N steps
-        self.workspace.continue_unfinished = True  # a fresh launch continues an unfinished run of other code
         self.log.progress = "auto"  # auto: a progress bar on a terminal, plain lines otherwise; bar; lines
         self.tensorboard.enabled = False  # also log to TensorBoard (tensorboard/ in the run dir)
         self.wandb.enabled = False  # also log to Weights & Biases
