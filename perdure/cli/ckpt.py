@@ -335,10 +335,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ---- export --------------------------------------------------------------------------------------------------------
 
 
-def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
-    """(weights, description of where they came from) for a checkpoint / checkpoints / run dir, a `best` / `latest`
-    pointer (also `RUN/best` for `RUN/checkpoints/best`) or a weights file. DCP checkpoints are gathered into one
-    full state dict in this process: no process group is needed."""
+def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str, dict[str, str]]:
+    """(weights, description of where they came from, the safetensors metadata naming it) for a checkpoint /
+    checkpoints / run dir, a `best` / `latest` pointer (also `RUN/best` for `RUN/checkpoints/best`) or a weights file.
+    DCP checkpoints are gathered into one full state dict in this process: no process group is needed. The metadata
+    is published with the file: it names the run id and checkpoint (or the file name), never a path of this machine."""
     if not path.exists() and path.name in POINTERS and (path.parent / "checkpoints" / path.name).is_file():
         path = path.parent / "checkpoints" / path.name
     if not path.exists():
@@ -346,7 +347,7 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
     if path.is_file() and path.name not in POINTERS:
         if ema:
             raise CheckpointError(f"{path} is a weights file; --ema needs a checkpoint (it holds both weight sets)")
-        return read_weights(path), str(path)
+        return read_weights(path), str(path), {"format": "pt", "source": path.name}
     info: CheckpointInfo = resolve_path(path)
     backend = info.manifest.get("backend", "file")
     if backend not in ("file", "dcp", "deepspeed"):
@@ -356,7 +357,8 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str]:
         )
     where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
     where.append(f"backend {backend}")  # one of the two checked above
-    return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})"
+    published = {"format": "pt", "run": info.path.parent.parent.name, "checkpoint": info.name}
+    return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})", published
 
 
 def _output_format(out: Path, requested: str | None) -> str:
@@ -377,10 +379,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise PerdureError(f"{out} exists; pass --force to replace it")
     if out.is_dir():
         raise PerdureError(f"{out} is a directory; give a file name ending in {' or '.join(EXPORT_SUFFIXES)}")
-    weights, source = _source_weights(args.checkpoint.expanduser(), args.ema)
+    weights, source, published = _source_weights(args.checkpoint.expanduser(), args.ema)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
-        save_safetensors(weights, out, args.dtype, {"format": "pt", "source": source})
+        save_safetensors(weights, out, args.dtype, published)
     else:
         export_weights(weights, out, args.dtype)
     count = sum(t.numel() for t in weights.values() if isinstance(t, torch.Tensor))

@@ -295,7 +295,8 @@ class CheckpointingMixin:
             if "pth" in formats:
                 written.append(export_weights(state, self.run_dir.path / f"{name}.pth", dtype))
             if "safetensors" in formats:
-                metadata = {"format": "pt", "source": str(self.run_dir.path)}
+                # published with the file: the run and the checkpoint of these weights, no path of this machine
+                metadata = {"format": "pt", "run": self.run_dir.run_id, "checkpoint": self._position_name()}
                 written.append(save_safetensors(state, self.run_dir.path / f"{name}.safetensors", dtype, metadata))
         return written[0]
 
