@@ -58,6 +58,7 @@ from perdure.runners.evaluation import EvaluationMixin
 from perdure.runners.export import read_weights
 from perdure.runners.metrics import MetricsMixin
 from perdure.runners.optim import build_optimizer, build_scheduler
+from perdure.runners.param_coverage import check_parameter_coverage
 from perdure.runners.rng import derived_seed, seed_everything
 from perdure.runners.state import RunnerState
 from perdure.runners.telemetry import RunTelemetry
@@ -188,6 +189,7 @@ class BaseRunner(
         if self.config.ema.enabled and self.ema is None:
             self.ema = ExponentialMovingAverage(self.unwrap_model(), self.config.ema.decay)
         self.distribute_model()
+        check_parameter_coverage(self.optimizer, self.model)  # each trainable parameter in the optimizer, once
         self.build_dataloaders()
         self.restore(self.restore_source)
         self._losses = list(self.state.pending_losses)

@@ -6,8 +6,8 @@
                           split into pipeline stages (`split_pipeline`)
                           -> per stage: model parallelism (`parallelize_model`: the model's `parallelize(mesh)`)
                           -> activation checkpointing -> compile (per block) -> FSDP2 (per block, then the stage)
-                          -> the optimizer rebuilt over the new parameters by name, the scheduler rebound, the EMA
-                             rebuilt (sharded like the model)
+                          -> the optimizer rebuilt over the new parameters (found through the module tree), the
+                             scheduler rebound, the EMA rebuilt (sharded like the model)
     the loop            BaseRunner's: `forward_backward` runs the pipeline schedule when there is one; gradient
                         clipping takes the norm over the whole mesh; the non-finite skip is agreed by every rank
     checkpoints         DCP (`ParallelCheckpointManager`): FQN-keyed shards of model, optimizer and EMA, every rank
@@ -63,7 +63,7 @@ from perdure.runners.pipeline import (
     split_model,
     stage_indices,
 )
-from perdure.runners.rebind import group_names, rebind_scheduler, rebuild_optimizer
+from perdure.runners.rebind import parameter_slots, rebind_scheduler, rebuild_optimizer
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
 
 
@@ -154,7 +154,7 @@ class ParallelRunner(TorchRunner):
         model = self.model
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # compiled by hand: compile.* applies per block
             model = model._orig_mod
-        names = group_names(self.optimizer, model)
+        slots = parameter_slots(self.optimizer, model)  # where each parameter lives, found again after sharding
         if self.restore_source.kind == "pretrained":  # into the whole model, under its own names, before any split
             load_matching_weights(model, self._pretrained_weights, self.restore_source.path)
             del self._pretrained_weights
@@ -169,7 +169,7 @@ class ParallelRunner(TorchRunner):
         self.model_parts = parts
         self.model = parts[0] if len(parts) == 1 else ModelParts(parts)
         old = self.optimizer
-        self.optimizer = rebuild_optimizer(old, names, {n: p for part in parts for n, p in part.named_parameters()})
+        self.optimizer = rebuild_optimizer(old, slots, parts)
         if self.scheduler is not None:
             rebind_scheduler(self.scheduler, old, self.optimizer)
         if self.ema is not None:

@@ -27,7 +27,7 @@ from perdure.distributed.grad_norm import clip_grad_norm
 from perdure.distributed.topology import Topology, device_mesh
 from perdure.runners.parallelize import apply_fsdp, find_blocks, mixed_precision_policy
 from perdure.runners.pipeline import Pipeline, split_model, stage_indices
-from perdure.runners.rebind import group_names, rebind_scheduler, rebuild_optimizer
+from perdure.runners.rebind import parameter_slots, rebind_scheduler, rebuild_optimizer
 from tests.distributed.gloo_ranks import run_on_gloo_ranks
 from tests.runs import built_once
 
@@ -54,14 +54,15 @@ def sharded(axes: dict[str, int], seed: int = 0):
     """The whole model sharded on `axes` (tensor parallelism by its plan, then FSDP2), its optimizer rebuilt."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # as ParallelRunner does
     model, optimizer, scheduler = whole_model(seed)
-    names = group_names(optimizer, model)
+    slots = parameter_slots(optimizer, model)
+    names = [[slot.name for slot in group] for group in slots]
     topology = Topology.resolve(axes, torch.distributed.get_world_size())
     mesh = device_mesh(topology, "cpu")
     if topology.tensor > 1:
         model.parallelize(mesh)
     policy = mixed_precision_policy("fp32")
     apply_fsdp(model, find_blocks(model), mesh["shard"], mp_policy=policy, offload=False, reshard_after_forward=True)
-    rebuilt = rebuild_optimizer(optimizer, names, dict(model.named_parameters()))
+    rebuilt = rebuild_optimizer(optimizer, slots, [model])
     rebind_scheduler(scheduler, optimizer, rebuilt)
     return model, rebuilt, scheduler, names
 
@@ -219,13 +220,14 @@ def test_reshard_of_shard_2_x_tensor_2_has_exact_values(saved, ranks, axes):
 def pipeline_schedules(rank: int, world_size: int) -> dict:
     """Two stages: gradients under GPipe and 1F1B, and one optimizer step of the rebuilt stage optimizer."""
     model, optimizer, _ = whole_model()
-    names = group_names(optimizer, model)
+    slots = parameter_slots(optimizer, model)
+    names = [[slot.name for slot in group] for group in slots]
     topology = Topology.resolve({"pipeline": 2, "shard": 1}, 2)
     mesh = device_mesh(topology, "cpu")
     (part,) = split_model(model, stage_indices(rank, 2, 1), 2)
     policy = mixed_precision_policy("fp32")
     apply_fsdp(part, find_blocks(part), mesh["shard"], mp_policy=policy, offload=False, reshard_after_forward=True)
-    stage_optimizer = rebuild_optimizer(optimizer, names, dict(part.named_parameters()))
+    stage_optimizer = rebuild_optimizer(optimizer, slots, [part])
     inputs, target = batches(0)[0]
     grads, losses = {}, {}
     for schedule in ("GPipe", "1F1B"):
