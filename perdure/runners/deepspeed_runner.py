@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from perdure.checkpoints.base import Stateful
 from perdure.checkpoints.deepspeed_engine import DeepSpeedCheckpointManager, EngineState, read_deepspeed_weights
+from perdure.checkpoints.module_state import as_module_state_dict
 from perdure.checkpoints.source import RestoreSource
 from perdure.distributed.collectives import all_ranks
 from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
@@ -139,12 +140,16 @@ class DeepSpeedRunner(TorchRunner):
     def export_model(self) -> Path | None:
         """`model.pth` (and the other `ckpt.export_format`s): the fp32 weights of the checkpoint just committed,
         gathered from every rank's partition (DeepSpeed's zero-to-fp32 routine, its files read through the
-        allow-list), written by the main process; EMA as on the torch stack."""
+        allow-list) under the names the module's `state_dict()` gives them (its hooks applied), written by the main
+        process; EMA as on the torch stack."""
         if not self.is_main_process:
             return None
         checkpoint = self.run_dir.checkpoints / self._position_name()
         ema = self.ema.weights() if self.ema is not None else None
-        return self.write_exports(read_deepspeed_weights(checkpoint), ema)
+        weights = read_deepspeed_weights(checkpoint)
+        if self.engine.zero_optimization_stage() > 0:  # keyed by parameter name: into the module's state-dict layout
+            weights = as_module_state_dict(self.engine.module, weights)
+        return self.write_exports(weights, ema)
 
 
 class _GatheringEMA(ExponentialMovingAverage):
