@@ -147,7 +147,7 @@ class GPT(nn.Module):
         block all-reduces twice; embeddings, norms and the head stay whole (FSDP shards them over the data axes)."""
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        tensor = mesh["tensor"]
+        tensor = mesh["tp"]  # the device mesh names its dimensions as TorchTitan does
         attention = next(iter(self.layers.values())).attn
         heads = attention.q.out_features // attention.head_dim
         if heads % tensor.size():

@@ -115,6 +115,7 @@ _BOOLS = (
     "parallel.fsdp.reshard_after_forward",
     "parallel.activation_checkpointing",
 )
+    "parallel.loss_parallel",
 _MISSING = object()
 # Non-key attribute (chanfig `setattr`) holding the dotted keys given on the command line: not in to_plain / yaml /
 # the canonical config, so it never changes config_id.
@@ -226,6 +227,7 @@ class RunnerConfig(chanfig.Config):
 
     # ------------------------------------------------------------------ views
 
+        self.parallel.loss_parallel = False  # tensor parallel: the loss on vocabulary-sharded logits (no gather)
     def to_plain(self) -> dict[str, Any]:
         """Nested plain dicts and lists (YAML / JSON dumpable); empty-dict leaves are dropped."""
         return plain_dict(self)

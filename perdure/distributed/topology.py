@@ -37,6 +37,11 @@ DATA_AXES = ("replicate", "shard")
 MODEL_AXES = ("tensor", "context", "expert")  # ranks along them read the same batches and draw the same stream
 LOSS_AXES = ("replicate", "shard", "context")
 FSDP_AXES = ("replicate", "shard", "context")  # gradients are reduced over these (replicate: HSDP's outer dimension)
+# The device mesh names its dimensions as TorchTitan's ParallelDims does, so a model's own plan written for TorchTitan
+# (`mesh["tp"]`, ...) runs unchanged; the config keeps the axis names.
+MESH_NAMES = {"pipeline": "pp", "replicate": "dp_replicate", "shard": "dp_shard", "context": "cp", "expert": "ep"}
+MESH_NAMES["tensor"] = "tp"
+FSDP_CONTEXT_MESH = "dp_shard_cp"  # dp_shard x cp flattened (TorchTitan's name), what FSDP shards over when cp > 1
 KEY = "parallel.axes"
 DEFAULTS = {"replicate": 1, "shard": -1, "tensor": 1, "pipeline": 1, "context": 1, "expert": 1}  # as RunnerConfig's
 
@@ -103,7 +108,8 @@ class Topology:
         return any(self.size(axis) > 1 for axis in MODEL_AXES)
 
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
-        """The device mesh's dimensions (name, size), outermost first: the data axes always, others when > 1."""
+        """The device mesh's dimensions (axis, size), outermost first: the data axes always, others when > 1 (the
+        mesh names them `MESH_NAMES[axis]`)."""
         return tuple((axis, self.size(axis)) for axis in MESH_ORDER if axis in DATA_AXES or self.size(axis) > 1)
 
     def describe(self) -> str:
@@ -206,13 +212,13 @@ def check_axes(axes: Mapping[str, Any]) -> None:
 
 
 def device_mesh(topology: Topology, device_type: str) -> Any:
-    """The DeviceMesh of `topology` with its dimensions named after the axes (`mesh["tensor"]`, ...), plus
-    `shard_context` (shard x context flattened, what FSDP shards over) when context > 1. Collective: every rank calls
-    it."""
+    """The DeviceMesh of `topology`, its dimensions named as TorchTitan names them (`MESH_NAMES`: `mesh["tp"]`,
+    `mesh["pp"]`, `mesh["dp_shard"]`, ...), plus `dp_shard_cp` (dp_shard x cp flattened, what FSDP shards over) when
+    context > 1. Collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    names, sizes = zip(*topology.mesh_dims())
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    axes, sizes = zip(*topology.mesh_dims())
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=tuple(MESH_NAMES[axis] for axis in axes))
     if topology.context > 1:
-        mesh["shard", "context"]._flatten("shard_context")
+        mesh["dp_shard", "cp"]._flatten(FSDP_CONTEXT_MESH)
     return mesh

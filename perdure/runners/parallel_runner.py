@@ -41,17 +41,19 @@ from perdure.checkpoints.source import RestoreSource
 from perdure.distributed.collectives import all_gather_object
 from perdure.distributed.grad_norm import clip_grad_norm
 from perdure.distributed.process_group import init_process_group, select_backend
-from perdure.distributed.topology import Topology, device_mesh
+from perdure.distributed.topology import FSDP_CONTEXT_MESH, Topology, device_mesh
 from perdure.errors import ConfigError, PerdureError
 from perdure.runners.checkpointing import load_matching_weights
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.export import read_weights
+from perdure.runners.loss_parallel import local_loss, loss_context
 from perdure.runners.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fsdp,
     apply_model_parallel,
     find_blocks,
+    mesh_misuse_hints,
     mixed_precision_policy,
 )
 from perdure.runners.pipeline import (
@@ -161,10 +163,10 @@ class ParallelRunner(TorchRunner):
         self.mesh = device_mesh(self.topology, self.device.type)
         parts = self.split_pipeline(model, self.mesh) if self.topology.pipeline > 1 else [model]
         for part in parts:
-            self.parallelize_model(part, self.mesh)
+            with mesh_misuse_hints(f"{type(self).__name__}.parallelize_model"):
+                self.parallelize_model(part, self.mesh)
             self.apply_activation_checkpointing(part)
-            if self.config.compile.enabled:
-                apply_compile(self.model_blocks(part), self.config.compile.backend, self.config.compile.mode)
+            self.apply_compile(part)
             apply_fsdp(part, self.model_blocks(part), self.fsdp_mesh(), **self.fsdp_kwargs())
         self.model_parts = parts
         self.model = parts[0] if len(parts) == 1 else ModelParts(parts)
@@ -186,7 +188,7 @@ class ParallelRunner(TorchRunner):
         whole model's parameter names and shapes, and all stages together checked to hold every parameter once. An
         override must keep those names (checkpoints match tensors by them) and must not shard anything.
         """
-        position = mesh["pipeline"].get_local_rank()
+        position = mesh["pp"].get_local_rank()
         indices = stage_indices(position, self.topology.pipeline, self.config.parallel.pipeline.virtual_stages)
         parts = split_model(model, indices, self.num_stages())
         held = {index: [name for name, _ in part.named_parameters()] for index, part in zip(indices, parts)}
@@ -200,9 +202,12 @@ class ParallelRunner(TorchRunner):
         """Called in `distribute_model` for each stage (the whole model without a pipeline), before activation
         checkpointing, compile and FSDP: apply tensor / context / expert parallelism in place.
 
-        Default: `model.parallelize(mesh)` when any of those axes is > 1 (the mesh has dimensions named after them:
-        `mesh["tensor"]`, ...); a model without that method is refused with a ConfigError, never trained unsplit.
-        An override must keep parameter names and must not apply FSDP (the runner does, afterwards).
+        Default: `model.parallelize(mesh)` when any of those axes is > 1; a model without that method is refused with
+        a ConfigError, never trained unsplit. The mesh names its dimensions as TorchTitan does (`mesh["tp"]`,
+        `mesh["cp"]`, `mesh["ep"]`, `mesh["dp_shard"]`, ...: `perdure.distributed.topology.MESH_NAMES`). Override it to
+        call a TorchTitan-style function of your own (e.g. `apply_tp(model, mesh["tp"], loss_parallel=...)`). An
+        override must not apply FSDP (the runner does, afterwards); it may wrap modules (the optimizer follows the
+        parameters through the module tree).
         """
         apply_model_parallel(model, mesh, self.topology)
 
@@ -216,7 +221,9 @@ class ParallelRunner(TorchRunner):
 
     def apply_activation_checkpointing(self, model: nn.Module) -> None:
         """Called after `parallelize_model`: with `parallel.activation_checkpointing`, recompute each block's
-        activations in the backward. Must keep parameter names (wrap `forward`, do not add wrapper modules)."""
+        activations in the backward (the default wraps each block's `forward` in place). Override it to call a model's
+        own function (TorchTitan's `apply_ac`: torch's `checkpoint_wrapper` may replace the blocks); an override must
+        leave compile and FSDP to the runner."""
         if not self.config.parallel.activation_checkpointing:
             return
         blocks = self.model_blocks(model)
@@ -228,6 +235,13 @@ class ParallelRunner(TorchRunner):
                 "override ParallelRunner.model_blocks, or set it to false",
             )
         apply_activation_checkpointing(blocks)
+
+    def apply_compile(self, model: nn.Module) -> None:
+        """Called after `apply_activation_checkpointing`, before FSDP: with `compile.enabled`, `torch.compile` each
+        block in place (`nn.Module.compile`: no parameter is renamed). Override it to call a model's own compile
+        function (TorchTitan's `apply_compile`); an override must leave FSDP to the runner."""
+        if self.config.compile.enabled:
+            apply_compile(self.model_blocks(model), self.config.compile.backend, self.config.compile.mode)
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         """Options of `fully_shard` for every block and stage: the mixed-precision policy of `precision` (bf16
@@ -243,8 +257,8 @@ class ParallelRunner(TorchRunner):
     def fsdp_mesh(self) -> Any:
         """The mesh FSDP shards over: the data axes (replicate x shard: HSDP when replicate > 1), with the context
         axis folded into shard (context-parallel ranks hold parts of the same sequences: their gradients sum)."""
-        shard = "shard_context" if self.topology.context > 1 else "shard"
-        return self.mesh["replicate", shard] if self.topology.replicate > 1 else self.mesh[shard]
+        shard = FSDP_CONTEXT_MESH if self.topology.context > 1 else "dp_shard"
+        return self.mesh["dp_replicate", shard] if self.topology.replicate > 1 else self.mesh[shard]
 
     def _build_pipeline(self, parts: list[nn.Module]) -> Pipeline:
         position = self.topology.coordinates(self.rank)
@@ -254,7 +268,7 @@ class ParallelRunner(TorchRunner):
             parts,
             indices,
             self.num_stages(),
-            group=self.mesh["pipeline"].get_group(),
+            group=self.mesh["pp"].get_group(),
             last_rank=last,
             device=self.device,
             schedule=self.config.parallel.pipeline.schedule,
@@ -326,9 +340,14 @@ class ParallelRunner(TorchRunner):
         """Without a pipeline, BaseRunner's. With one, the schedule runs forward and backward of each batch of the
         window (cut into microbatches) over the stages; the loss is the criterion's on the last stage, shared with
         every stage of the pipeline."""
-        if self.pipeline is None:
-            return super().forward_backward(window)
-        return self.pipeline.train_window([self._pipeline_batch(batch) for batch in window])
+        with loss_context(self.loss_parallel()):
+            if self.pipeline is None:
+                return local_loss(super().forward_backward(window))
+            return self.pipeline.train_window([self._pipeline_batch(batch) for batch in window])
+
+    def loss_parallel(self) -> bool:
+        """Whether the loss runs under torch's `loss_parallel()` (`parallel.loss_parallel` with tensor > 1)."""
+        return self.config.parallel.loss_parallel and self.topology.tensor > 1
 
     def _pipeline_batch(self, batch: Any) -> tuple[Any, Any, int]:
         from perdure.data.batch import batch_length
@@ -341,9 +360,15 @@ class ParallelRunner(TorchRunner):
 
     def evaluate_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
         if self.pipeline is None:
-            return super().evaluate_step(batch)
+            return {key: local_loss(value) for key, value in super().evaluate_step(batch).items()}
         inputs, target, size = self._pipeline_batch(batch)
         return {"loss": self.pipeline.evaluate_batch(inputs, target, size)}
+
+    @contextlib.contextmanager
+    def evaluation_context(self) -> Iterator[None]:
+        """The default's, under loss parallelism when `loss_parallel()` says so (evaluation computes the loss too)."""
+        with super().evaluation_context(), loss_context(self.loss_parallel()):
+            yield
 
     def evaluates_in_lockstep(self) -> bool:
         """True: FSDP2 gathers the parameters of every forward collectively (tensor and pipeline parallelism run

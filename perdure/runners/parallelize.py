@@ -14,15 +14,16 @@ activation checkpointing or per-block compile; `ParallelRunner.model_blocks` is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from perdure.distributed.topology import MODEL_AXES, Topology
-from perdure.errors import ConfigError
+from perdure.distributed.topology import FSDP_CONTEXT_MESH, MESH_NAMES, MESH_ORDER, MODEL_AXES, Topology
+from perdure.errors import ConfigError, PerdureError
 
 BLOCK_CONTAINERS = ("layers", "blocks")
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,9 +51,36 @@ def apply_model_parallel(model: nn.Module, mesh: Any, topology: Topology) -> Non
             axes,
             f"{type(model).__name__} has no parallelize(mesh) method, so it cannot be split along {axes}; give it "
             "one (e.g. a tensor-parallel plan with torch.distributed.tensor.parallel.parallelize_module on "
-            "mesh['tensor']), or set those axes to 1",
+            "mesh['tp']), or set those axes to 1",
         )
     model.parallelize(mesh)
+
+
+@contextlib.contextmanager
+def mesh_misuse_hints(where: str) -> Iterator[None]:
+    """Torch's errors from a model's own plan that used perdure's mesh the wrong way, re-raised with the fix: a mesh
+    dimension by another name (perdure names them as TorchTitan does), or a function that expects TorchTitan's
+    ParallelDims (or another object of its own) instead of a DeviceMesh."""
+    names = ", ".join(f"{MESH_NAMES[axis]} ({axis})" for axis in MESH_ORDER)
+    try:
+        yield
+    except KeyError as error:
+        if "mesh_dim_names" not in str(error):
+            raise
+        raise PerdureError(
+            f"{where} asked the device mesh for a dimension it does not have ({error}). perdure's mesh names its "
+            f"dimensions as TorchTitan does: {names}, plus {FSDP_CONTEXT_MESH} when cp > 1; the data axes are always "
+            "there, the others only when > 1 (e.g. mesh['tp'], not mesh['tensor'])"
+        ) from error
+    except AttributeError as error:
+        if "DeviceMesh" not in str(error):
+            raise
+        raise PerdureError(
+            f"{where} treated the torch DeviceMesh it was given as another object ({error}). perdure passes a "
+            f"DeviceMesh with the dimensions {names}; for a parallelize function that takes TorchTitan's "
+            "ParallelDims or a config of its own, override ParallelRunner.parallelize_model(model, mesh) and call it "
+            "from there with what it needs (mesh['tp'], ...)"
+        ) from error
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from perdure.checkpoints.sharded import ShardedModel, ShardedOptimizer
 from perdure.distributed.grad_norm import clip_grad_norm
-from perdure.distributed.topology import Topology, device_mesh
+from perdure.distributed.topology import MESH_NAMES, Topology, device_mesh
 from perdure.runners.parallelize import apply_fsdp, find_blocks, mixed_precision_policy
 from perdure.runners.pipeline import Pipeline, split_model, stage_indices
 from perdure.runners.rebind import parameter_slots, rebind_scheduler, rebuild_optimizer
@@ -61,7 +61,7 @@ def sharded(axes: dict[str, int], seed: int = 0):
     if topology.tensor > 1:
         model.parallelize(mesh)
     policy = mixed_precision_policy("fp32")
-    apply_fsdp(model, find_blocks(model), mesh["shard"], mp_policy=policy, offload=False, reshard_after_forward=True)
+    apply_fsdp(model, find_blocks(model), mesh["dp_shard"], mp_policy=policy, offload=False, reshard_after_forward=True)
     rebuilt = rebuild_optimizer(optimizer, slots, [model])
     rebind_scheduler(scheduler, optimizer, rebuilt)
     return model, rebuilt, scheduler, names
@@ -81,8 +81,8 @@ def batches(rank: int, count: int = 2):
 def train_and_save(rank: int, world_size: int, path: str) -> dict:
     """shard 2 x tensor 2: mesh layout, rebuilt optimizer, gradient norm, two steps, a DCP save and its round trip."""
     model, optimizer, scheduler, names = sharded({"shard": 2, "tensor": 2})
-    report: dict = {"mesh": {axis: model.layers["0"].attn.q.weight.device_mesh[axis].get_local_rank()
-                             for axis in ("shard", "tensor")}}  # fmt: skip
+    mesh = model.layers["0"].attn.q.weight.device_mesh
+    report: dict = {"mesh": {axis: mesh[MESH_NAMES[axis]].get_local_rank() for axis in ("shard", "tensor")}}
     report["coordinates"] = Topology.resolve({"shard": 2, "tensor": 2}, 4).coordinates(rank)
     report["groups"] = [
         ({k: v for k, v in group.items() if k != "params"}, len(group["params"])) for group in optimizer.param_groups
@@ -226,12 +226,12 @@ def pipeline_schedules(rank: int, world_size: int) -> dict:
     mesh = device_mesh(topology, "cpu")
     (part,) = split_model(model, stage_indices(rank, 2, 1), 2)
     policy = mixed_precision_policy("fp32")
-    apply_fsdp(part, find_blocks(part), mesh["shard"], mp_policy=policy, offload=False, reshard_after_forward=True)
+    apply_fsdp(part, find_blocks(part), mesh["dp_shard"], mp_policy=policy, offload=False, reshard_after_forward=True)
     stage_optimizer = rebuild_optimizer(optimizer, slots, [part])
     inputs, target = batches(0)[0]
     grads, losses = {}, {}
     for schedule in ("GPipe", "1F1B"):
-        group = mesh["pipeline"].get_group()
+        group = mesh["pp"].get_group()
         pipeline = Pipeline([part], [rank], 2, group=group, last_rank=1, device=torch.device("cpu"),
                             schedule=schedule, microbatches=2, criterion=TokenLoss())  # fmt: skip
         losses[schedule] = float(pipeline.train_window([(inputs, target, 4)]))
