@@ -9,7 +9,8 @@ A checkpoint directory holds
     rank{r:05d}.pth        rank-local state: RNGs and data position (every rank, torch.save)
     config.yaml            and manifest.json, as with every backend
 
-Model and optimizer go through `get_model_state_dict` / `get_optimizer_state_dict` (FQN-keyed, the standard DCP
+The model goes through its own `state_dict()` / `load_state_dict()` (`module_state.py`: its hooks renaming or fusing
+tensors apply, as in every backend), the optimizer through `get_optimizer_state_dict` (FQN-keyed, the standard DCP
 format), so a checkpoint written by N ranks loads on M ranks: every rank reads what its tensors need. Plain data goes
 into one small file instead of DCP's per-object entries because its structure changes as training goes on (results
 history, pending losses), and DCP only fills keys the loading side already has. Each rank hashes the files it wrote and
@@ -39,13 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from perdure.checkpoints.async_save import AsyncSaver, _raise_open_file_limit
@@ -53,6 +48,7 @@ from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, write_file
 from perdure.checkpoints.dcp_process import replace_after_failure
 from perdure.checkpoints.file import local_file, read_local_states
+from perdure.checkpoints.module_state import load_module_state_dict, module_state_dict
 from perdure.checkpoints.safe_dcp import RestrictedFileSystemReader, RestrictedLoadPlanner, read_dcp_metadata
 from perdure.checkpoints.safe_unpickle import load_torch_file
 from perdure.checkpoints.save_errors import save_failure
@@ -98,7 +94,7 @@ class DCPCheckpointManager(CheckpointManager):
     def snapshot_states(
         self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Model and optimizer in DCP's FQN-keyed form (`get_model_state_dict` / `get_optimizer_state_dict`); their
+        """Model and optimizer in DCP's keyed form (`module_state_dict` / `get_optimizer_state_dict`); their
         tensors are the live ones, so an async snapshot still copies parameters and optimizer state late. A model
         that is not an `nn.Module` is a Stateful that gives its DCP form itself (the parallel stack's sharded
         model and optimizer), and so is its optimizer."""
@@ -107,7 +103,7 @@ class DCPCheckpointManager(CheckpointManager):
         replicated: dict[str, Any] = {}
         for key, state in states.items():
             if key == "model" and module is not None:
-                replicated[key] = get_model_state_dict(state)
+                replicated[key] = module_state_dict(state)
             elif key == "optimizer" and module is not None:
                 replicated[key] = get_optimizer_state_dict(model, state)
             else:
@@ -182,10 +178,9 @@ class DCPCheckpointManager(CheckpointManager):
         # Templates shaped like this run's objects (on this world size); DCP fills them from whatever ranks wrote.
         template: dict[str, Any] = {}
         if isinstance(model, nn.Module) and "model" in stored:
+            template["model"] = module_state_dict(model)
             if optimizer is not None and "optimizer" in stored:
-                template["model"], template["optimizer"] = get_state_dict(model, optimizer)
-            else:
-                template["model"] = get_model_state_dict(model)
+                template["optimizer"] = get_optimizer_state_dict(model, optimizer)
         for key in DCP_KEYS:
             if key in states and key in stored and key not in template:
                 template[key] = states[key].state_dict()
@@ -199,7 +194,7 @@ class DCPCheckpointManager(CheckpointManager):
         module = model if isinstance(model, nn.Module) else None
         for key, state in states.items():  # the mapping's order is the restore order
             if key == "model" and key in template and module is not None:
-                set_model_state_dict(module, template[key])
+                load_module_state_dict(module, template[key])
             elif key == "optimizer" and key in template and module is not None:
                 set_optimizer_state_dict(module, optimizer, template[key])
             elif key in template:

@@ -8,6 +8,7 @@ exports and restores therefore go through `module.state_dict()` and `module.load
                              submodule compiled by hand); DTensors stay sharded, so DCP saves each rank's shards
     load_module_state_dict   loads such a state dict back through the model's load hooks, strictly
     full_module_state_dict   the same with every DTensor gathered whole (collective), kept on rank 0's CPU or every rank
+    load_full_module_state_dict  full weights into a sharded module (each rank keeps its shards)
     as_module_state_dict     weights keyed by parameter name (DeepSpeed's zero-to-fp32 gathers them so) in the layout
                              `state_dict()` writes, hooks applied, without touching the model's own tensors
 
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from perdure.runners.compile import plain_name, strip_compile_prefix, uncompiled
 
@@ -80,3 +81,15 @@ def as_module_state_dict(module: nn.Module, weights: Mapping[str, torch.Tensor])
     finally:
         for slots, attribute, tensor in swapped:
             slots[attribute] = tensor
+
+
+def load_full_module_state_dict(module: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Load full (unsharded) `weights`, names as `module_state_dict` gives them, into a module whose state may be
+    sharded: each rank keeps its shard of every tensor the module holds as a DTensor (no communication)."""
+    local: dict[str, Any] = {}
+    for key, held in module_state_dict(module).items():
+        value = weights[key]
+        if isinstance(held, DTensor):
+            value = distribute_tensor(value.to(held.device), held.device_mesh, held.placements, src_data_rank=None)
+        local[key] = value
+    load_module_state_dict(module, local)

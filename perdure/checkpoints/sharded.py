@@ -6,8 +6,8 @@
     ParallelCheckpointManager        the DCP manager, with the topology recorded in every manifest and rank-local
                                      state (RNGs, data position) read from the rank that played this rank's part
 
-The model goes through `get_model_state_dict` / `set_model_state_dict` per part; the optimizer through
-`get_optimizer_state_dict` / `set_optimizer_state_dict` with `flatten_optimizer_state_dict` (keys
+The model goes through its own `state_dict()` / `load_state_dict()` per part (`module_state.py`: its hooks apply); the
+optimizer through `get_optimizer_state_dict` / `set_optimizer_state_dict` with `flatten_optimizer_state_dict` (keys
 `state.<fqn>.<name>` and `param_groups.<fqn>.<option>`: they do not depend on how parameters are grouped into parts or
 ranks). The EMA's shadows are DTensors sharded like the parameters, keyed by the same names.
 """
@@ -20,16 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from perdure.checkpoints.commit import read_manifest
 from perdure.checkpoints.dcp import DCPCheckpointManager
+from perdure.checkpoints.module_state import load_module_state_dict, module_state_dict
 from perdure.distributed.topology import Topology
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -44,13 +39,13 @@ class ShardedModel:
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part in self.parts:
-            merged.update(get_model_state_dict(part))
+            merged.update(module_state_dict(part))
         return merged
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for part in self.parts:
-            own = part.state_dict().keys()
-            set_model_state_dict(part, {key: value for key, value in state.items() if key in own})
+            own = module_state_dict(part).keys()
+            load_module_state_dict(part, {key: value for key, value in state.items() if key in own})
 
 
 class ShardedOptimizer:

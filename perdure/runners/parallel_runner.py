@@ -30,11 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
+from perdure.checkpoints.module_state import full_module_state_dict, load_full_module_state_dict
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
 from perdure.checkpoints.source import RestoreSource
@@ -410,13 +410,11 @@ class ParallelRunner(TorchRunner):
     def load_pretrained(self, path: Path, ema: bool = False) -> None:
         """Load full model (or EMA) weights into the sharded model: every rank reads the file, keeps its shards."""
         weights = read_weights(Path(path), ema=ema)
-        full = StateDictOptions(full_state_dict=True)
         for part in self.model_parts:
-            own = {key: weights[key] for key in part.state_dict() if key in weights}
             missing = [key for key in part.state_dict() if key not in weights]
             if missing:
                 raise PerdureError(f"the weights in {path} lack {', '.join(missing[:5])} of this model")
-            set_model_state_dict(part, own, options=full)
+            load_full_module_state_dict(part, weights)
 
     def _note_topology(self, info: CheckpointInfo) -> None:
         """A resume on another topology: say what changed (the global batch follows the data ranks)."""
@@ -449,22 +447,18 @@ class ParallelRunner(TorchRunner):
         )
 
     def export_model(self) -> Path | None:
-        """Gather the full weights of the whole model (DCP's full-state-dict options; with a pipeline, each stage's
-        from the rank at its position 0 of the data and model axes) and write them on rank 0."""
-        gathered = self._full_weights(
-            lambda part: get_model_state_dict(part, options=self._full_options()), self.model_parts
-        )
+        """Gather the full weights of the whole model (each part's state dict through its hooks, DTensors gathered;
+        with a pipeline, each stage's from the rank at its position 0 of the data and model axes) and write them on
+        rank 0. With one stage, rank 0 alone keeps the gathered tensors; with a pipeline, the first rank of each stage
+        needs its stage's to send them on."""
+        rank0_only = self.topology.pipeline == 1
+        gathered = self._full_weights(lambda part: full_module_state_dict(part, rank0_only), self.model_parts)
         ema = None
         if self.ema is not None:
             ema = self._full_weights(lambda shadow: _full_tensors(shadow), [self.ema.shadow])
         if not self.is_main_process:
             return None
         return self.write_exports(gathered, ema)
-
-    def _full_options(self) -> StateDictOptions:
-        # With one stage, rank 0 gathers everything and the others keep nothing (cpu_offload); with a pipeline, the
-        # first rank of each stage needs its stage's full tensors to send them on.
-        return StateDictOptions(full_state_dict=True, cpu_offload=self.topology.pipeline == 1)
 
     def _full_weights(self, full: Any, sources: list[Any]) -> dict[str, torch.Tensor]:
         weights: dict[str, torch.Tensor] = {}
