@@ -98,6 +98,7 @@ _COUNTS: dict[str, tuple[int, bool]] = {
     "score.patience": (0, False),
     "log.interval": (1, False),
     "resilience.max_consecutive_skips": (1, True),
+    "resilience.max_attempts_without_progress": (1, False),
     "parallel.pipeline.microbatches": (1, True),
     "parallel.pipeline.virtual_stages": (1, False),
 }
@@ -195,6 +196,7 @@ class RunnerConfig(chanfig.Config):
         self.wandb.mode = "online"  # W&B mode: online, offline, disabled
         self.resilience.exit_code = None  # exit status after a preemption; None: 128 + signal number
         self.resilience.max_consecutive_skips = 100  # skipped (non-finite) steps in a row that end the run; None: never
+        self.resilience.max_attempts_without_progress = 3  # failed attempts in a row, no new checkpoint: exit 93
         self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
         self.dist.timeout = 600  # seconds a collective may wait before the run fails instead of hanging
         # stack=deepspeed (docs/deepspeed.md); this section is no part of other stacks' config identity.

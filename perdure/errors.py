@@ -64,3 +64,8 @@ class UnsafeFileError(PerdureError, OSError):
     def __init__(self, path: object, reason: str) -> None:
         self.path, self.reason = path, reason
         super().__init__(f"{path} {reason}")
+
+
+class RunStuckError(PerdureError):
+    """The run's last attempts each ended without a new checkpoint (`resilience.max_attempts_without_progress`): it
+    is marked `stuck` and the launch exits 93 ("do not requeue") before building anything."""

@@ -168,7 +168,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
             if row.slurm_job is not None and row.state not in FINAL:
                 raise SweepError(f"job {row.id} is with SLURM as {row.slurm_job}: cancel it first")
         for row in rows:
-            row.failures, row.slurm_job = 0, None
+            row.failures, row.slurm_job, row.retry = 0, None, True
             row.requeue(f"queued again by retry (was {row.state})")
             retried.append(row.id)
     print(f"queued again: {', '.join(retried)}" if retried else "nothing to retry: no job has failed")

@@ -22,13 +22,16 @@ from typing import Any
 from perdure.checkpoints.save_errors import free_bytes, human_bytes, what_failed
 from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.distributed.collectives import broadcast_object
-from perdure.errors import ConfigError, PerdureError, WorkspaceError
+from perdure.errors import ConfigError, PerdureError, RunStuckError, WorkspaceError
 from perdure.loggers.console import attach_log_file, detach_log_file
+from perdure.resilience.crash_loop import STUCK_EXIT, is_retry, refuse_if_stuck
 from perdure.resilience.run_lock import LOCK_NAME, RunLock
 from perdure.runners.export import read_weights
+from perdure.workspace.identity import canonical_config
 from perdure.workspace.launch import record_launch
 from perdure.workspace.run_dir import RunDir, resolve_run_dir
 from perdure.workspace.siblings import sibling_runs
+from perdure.workspace.sidecar import Sidecar
 
 
 class AttemptMixin:
@@ -37,9 +40,13 @@ class AttemptMixin:
     def _agree(self, decision: tuple[str, Any]) -> Any:
         """Share rank 0's ("ok", value) or ("error", exception): every rank returns the value or raises the error."""
         shared = decision
-        if decision[0] == "error":  # exceptions travel as text: not every one pickles
+        if decision[0] == "error" and isinstance(decision[1], RunStuckError):
+            shared = ("stuck", str(decision[1]))  # rank 0 said why: every rank exits 93, "do not requeue"
+        elif decision[0] == "error":  # exceptions travel as text: not every one pickles
             shared = ("error", f"{type(decision[1]).__name__} on rank 0: {decision[1]}")
         outcome, value = broadcast_object(shared)
+        if outcome == "stuck":
+            raise SystemExit(STUCK_EXIT)
         if outcome == "error":
             raise decision[1] if self.is_main_process else PerdureError(value)
         return value
@@ -47,8 +54,9 @@ class AttemptMixin:
     def _decide_run(self) -> tuple[str, Any]:
         """Rank 0: which run dir, its checkpoints resolved (reading only), the restore source.
 
-        Returns ("ok", (run_dir, source)) or ("error", the exception), to be broadcast. Nothing is written: the run
-        lock, the repair of bad checkpoints and the directories come when `train()` begins the attempt.
+        Returns ("ok", (run_dir, source)) or ("error", the exception), to be broadcast. Nothing is written (but the
+        `stuck` status of a run in a crash loop): the run lock, the repair of bad checkpoints and the directories come
+        when `train()` begins the attempt.
         """
         try:
             run_dir = resolve_run_dir(self.config, type(self).__name__)
@@ -71,6 +79,14 @@ class AttemptMixin:
                 self._check_same_config(source.info)
             if source.kind == "pretrained":
                 read_weights(source.path)  # unreadable weights are refused before anything is written
+            if self.run_lock is not None:  # an existing run: refused when its last attempts made no progress
+                refuse_if_stuck(
+                    run_dir.path,
+                    limit=self.config.resilience.max_attempts_without_progress,
+                    resume_step=(source.info.global_step or 0) if source.info is not None else 0,
+                    logger=self.logger,
+                    open_sidecar=self._run_sidecar,
+                )
             self._announce_run(run_dir, source)
             return "ok", (run_dir, source)
         except Exception as error:
@@ -115,6 +131,13 @@ class AttemptMixin:
                 run_dir.code_id,
                 sibling.code_id,
             )
+
+    def _run_sidecar(self) -> Sidecar:
+        """Rank 0, holding the run lock: the run's sidecar as it is on disk (to mark it before any attempt begins)."""
+        run_dir = self.run_dir
+        return Sidecar(run_dir.path, run_id=run_dir.run_id, lineage=run_dir.lineage, code_id=run_dir.code_id,
+                       config_id=run_dir.config_id, hparams=canonical_config(self.config),
+                       tags=list(self.config.workspace.tags))  # fmt: skip
 
     def _release(self) -> None:
         self.logger.removeHandler(self._early_records)
@@ -205,6 +228,8 @@ class AttemptMixin:
         details: dict[str, Any] = {"code_id": self.run_dir.running_code_id, "world_size": self.world_size}
         if self.run_dir.launch is not None:
             details["launch"] = self.run_dir.launch.key
+        if is_retry():
+            details["retry"] = True  # `perdure sweep retry`: attempts without progress are counted from here
         if self._topology_change is not None:
             details["topology_change"] = self._topology_change
         return details
@@ -240,4 +265,5 @@ class AttemptMixin:
         self._early_records.replay_into(self._log_file)
         self.logger.removeHandler(self._early_records)
         self.logger.error("setup of run %s failed: %s", self.run_dir.path, reason)
-        self.telemetry.record_failed_setup(attempt=self.attempt_started, reason=reason, details=self._attempt_details())
+        self.telemetry.record_failed_setup(attempt=self.attempt_started, reason=reason, details=self._attempt_details(),
+                                           source=self.restore_source.info)  # fmt: skip

@@ -64,16 +64,23 @@ class RunTelemetry:
         self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
         self.sidecar.write()
 
-    def record_failed_setup(self, *, attempt: str, reason: str, details: Mapping[str, Any] | None = None) -> None:
-        """A setup failed before training: an attempt that starts and fails at once, with `reason`. No loggers."""
+    def record_failed_setup(
+        self, *, attempt: str, reason: str, details: Mapping[str, Any] | None = None, source: Any = None
+    ) -> None:
+        """A setup failed before training: an attempt that starts and fails at once, with `reason`. No loggers.
+        `source` (the `CheckpointInfo` the attempt was to resume from) is recorded as where it started, restored or
+        not, so that a setup failing every time counts as attempts without progress (`resilience/crash_loop.py`)."""
         if not self.active:
             return
-        self._record_attempt(attempt, None, details or {})
+        step = (source.global_step or 0) if source is not None else self.state.global_step
+        self._record_attempt(attempt, str(source.path) if source is not None else None, details or {}, step)
         self.sidecar.finish_attempt("failed", reason)
         self.sidecar.write()
         self.active = False
 
-    def _record_attempt(self, attempt: str, resumed_from: str | None, details: Mapping[str, Any]) -> None:
+    def _record_attempt(
+        self, attempt: str, resumed_from: str | None, details: Mapping[str, Any], resumed_step: int | None = None
+    ) -> None:
         write_metadata(self.run_dir.path, self.config, attempt)
         self.sidecar = self._new_sidecar(
             run_id=self.run_dir.run_id,
@@ -100,7 +107,7 @@ class RunTelemetry:
             started=attempt,
             restart_counts=restarts,
             resumed_from=str(Path(resumed_from).resolve()) if resumed_from else None,
-            resumed_step=self.state.global_step,
+            resumed_step=self.state.global_step if resumed_step is None else resumed_step,
             details=details,
         )
         if entry.get("steps_lost"):

@@ -1,11 +1,11 @@
 """The local dispatcher: `perdure sweep run DIR --slots N | --gpus 0,1,...` drains a sweep, one job per slot.
 
 Each poll, under the sweep's lock, a dispatcher: records the jobs that ended (exit 0 -> done; perdure's preemption
-exit 128+SIGTERM / 128+SIGUSR1 -> preempted, claimable again at once; anything else -> failed, requeued while its
-failures <= --retries); notes the run dir each new job logged; stops the jobs that `cancel` marked; requeues the
-running rows of dispatchers that died (never those of a live one, see `liveness`); claims claimable rows for its
-free slots and starts them. Several dispatchers on several hosts can drain one sweep at once: a row is claimed
-only under the lock, so no job runs twice.
+exit 128+SIGTERM / 128+SIGUSR1 -> preempted, claimable again at once; 93, a run stuck in a crash loop -> failed,
+never requeued; anything else -> failed, requeued while its failures <= --retries); notes the run dir each new job
+logged; stops the jobs that `cancel` marked; requeues the running rows of dispatchers that died (never those of a live
+one, see `liveness`); claims claimable rows for its free slots and starts them. Several dispatchers on several hosts
+can drain one sweep at once: a row is claimed only under the lock, so no job runs twice.
 
 SIGTERM, SIGINT or SIGUSR1 to the dispatcher: it claims nothing more, forwards the signal to its jobs (perdure
 saves and exits 128+signal; a second SIGINT, forwarded too, makes perdure exit at once), waits for them (killing
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from perdure.resilience.crash_loop import RETRY_ENV
 from perdure.sweep.launch import JobProcess, job_environment, launch_key
 from perdure.sweep.liveness import DispatcherHeartbeat, dispatcher_alive, hostname, process_alive
 from perdure.sweep.matrix import SweepError
@@ -220,6 +221,8 @@ class Dispatcher:
     def _start(self, state: SweepState, row: JobRow, slot: Slot) -> None:
         row.start_attempt(host=self.host, slot=slot.name, dispatcher=self.heartbeat.id)
         extra = {"PERDURE_SWEEP_DIR": str(self.sweep_dir.resolve()), "PERDURE_SWEEP_JOB": row.id}
+        if row.retry:  # the first launch after `perdure sweep retry`: a run stuck in a crash loop tries again
+            extra[RETRY_ENV], row.retry = "1", None
         # One launch per job: a requeue or retry continues the run its first attempt started, even after a commit.
         extra[LAUNCH_ENV] = f"{launch_key(self.sweep_dir)}:{row.id}"
         extra[RESTART_ENV] = str(row.attempts - 1)

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from perdure.resilience.crash_loop import RETRY_ENV
 from perdure.sweep.launch import JobProcess, job_environment
 from perdure.sweep.liveness import hostname
 from perdure.sweep.matrix import SweepError
@@ -244,7 +245,8 @@ def run_task(sweep_dir: str | os.PathLike, job_id: str) -> int:
             restarts = os.environ.get("SLURM_RESTART_COUNT")
             if restarts:
                 row.note += f" (SLURM_RESTART_COUNT={restarts})"
-            job = _job_process(sweep_dir, state, row)
+            job = _job_process(sweep_dir, state, row, retry=bool(row.retry))
+            row.retry = None
             job.start()
             row.pid, row.pid_start = job.pid, job.pid_start
             forward.job = job
@@ -270,9 +272,11 @@ def run_task(sweep_dir: str | os.PathLike, job_id: str) -> int:
             signal.signal(signum, handler)
 
 
-def _job_process(sweep_dir: Path, state, row: JobRow) -> JobProcess:
+def _job_process(sweep_dir: Path, state, row: JobRow, *, retry: bool = False) -> JobProcess:
     argv = state.argv(row)
     extra = {"PERDURE_SWEEP_DIR": str(sweep_dir), "PERDURE_SWEEP_JOB": row.id}
+    if retry:  # the first launch after `perdure sweep retry`: a run stuck in a crash loop tries again
+        extra[RETRY_ENV] = "1"
     header = f"{utc_stamp()} attempt {row.attempts} of {row.id} on {row.host}:{row.slot}: {shlex.join(argv)}"
     return JobProcess(
         argv,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.checkpoints.commit import atomic_write_text
+from perdure.resilience.crash_loop import STUCK_EXIT
 from perdure.sweep.matrix import JOB_ID_PATTERN, Matrix, Scalar, SweepError
 from perdure.workspace.sidecar import utc_stamp
 
@@ -67,6 +68,7 @@ class JobRow:
     exit_code: int | None = None
     run_dir: str | None = None
     note: str | None = None
+    retry: bool | None = None  # queued again by `perdure sweep retry`: its next launch is a retry (`PERDURE_RETRY`)
 
     def start_attempt(
         self, *, host: str, slot: str, dispatcher: str | None = None, slurm_job: str | None = None
@@ -92,6 +94,9 @@ class JobRow:
             self.state, self.note = "done", how
         elif exit_code in PREEMPTED_EXITS or any(exit_code in (128 + sig, -sig) for sig in forwarded):
             self.state, self.note = "preempted", f"{how}, requeued"
+        elif exit_code == STUCK_EXIT:  # perdure: the run is stuck in a crash loop; never requeued, whatever --retries
+            self.failures += 1
+            self.state, self.note = "failed", f"{how}: run stuck (attempts without progress), not requeued"
         else:
             self.failures += 1
             if self.failures <= retries:
@@ -245,6 +250,7 @@ _ROW_TYPES: dict[str, tuple[type, ...]] = {
     "exit_code": (int, type(None)),
     "run_dir": (str, type(None)),
     "note": (str, type(None)),
+    "retry": (bool, type(None)),
 }
 assert set(_ROW_TYPES) == {f.name for f in fields(JobRow)}
 

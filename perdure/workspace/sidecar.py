@@ -37,7 +37,7 @@ from perdure.safe_io import (
 SIDECAR_NAME = "sidecar.json"
 HEARTBEAT_NAME = "heartbeat"
 SIDECAR_FORMAT = "perdure-sidecar/1"
-STATUSES = ("running", "completed", "failed", "preempted", "stopped")
+STATUSES = ("running", "completed", "failed", "preempted", "stopped", "stuck", "hung")
 STALE = "stale"
 # Status of an attempt that never recorded its end (the next attempt found it still `running`).
 INTERRUPTED = "interrupted"
@@ -150,11 +150,7 @@ class Sidecar:
         with self._lock:
             attempts = self._data["attempts"]
             previous = attempts[-1] if attempts else None
-            if previous is not None and previous.get("status") == "running":
-                heartbeat = heartbeat_mtime(self.run_dir)
-                previous["status"] = INTERRUPTED
-                previous["exit_reason"] = "ended without recording an exit (killed or crashed)"
-                previous["ended"] = utc_stamp(heartbeat) if heartbeat is not None else None
+            self._end_unrecorded(previous)
             lost = 0
             if previous is not None:
                 reached = max(int(previous.get("last_step") or 0), heartbeat_step(self.run_dir) or 0)
@@ -176,6 +172,7 @@ class Sidecar:
             }
             attempts.append(attempt)
             self._data["status"] = "running"
+            self._data.pop("stuck_reason", None)
             self._data["step"] = int(resumed_step)
             return attempt
 
@@ -239,6 +236,23 @@ class Sidecar:
                 raise PerdureError("finish_attempt called before start_attempt: no attempt to finish")
             attempt.update(ended=utc_stamp(), status=status, exit_reason=exit_reason)
             self._data["status"] = status
+
+    def mark_stuck(self, reason: str) -> None:
+        """The run refuses to train (`perdure.resilience.crash_loop`): status `stuck`, `reason` saying why. An attempt
+        still marked running never recorded its end: it becomes `interrupted`, as `start_attempt` would record it."""
+        with self._lock:
+            self._end_unrecorded(self.current_attempt)
+            self._data["status"] = "stuck"
+            self._data["stuck_reason"] = reason
+
+    def _end_unrecorded(self, attempt: dict[str, Any] | None) -> None:
+        """An attempt still marked running when another launch holds the run never recorded its end: `interrupted`,
+        ended at its last heartbeat."""
+        if attempt is not None and attempt.get("status") == "running":
+            heartbeat = heartbeat_mtime(self.run_dir)
+            attempt["status"] = INTERRUPTED
+            attempt["exit_reason"] = "ended without recording an exit (killed or crashed)"
+            attempt["ended"] = utc_stamp(heartbeat) if heartbeat is not None else None
 
     # ---- views and persistence ---------------------------------------------------------------------------------
 

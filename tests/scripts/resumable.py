@@ -15,6 +15,7 @@ Environment knobs (tests only):
   SLOW_WHILE    a path: STEP_SLEEP applies only while it exists (a test holds a run back while it stages faults)
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (a deterministic hard death)
   KILL_AFTER_STEPS  SIGKILL this very process at the N-th step it trains itself, wherever a heal put it
+  RAISE_AT_STEP raise RuntimeError when `global_step` reaches this value (a bug that fails every attempt alike)
   FAULT         POINT:N — inject a fault at the N-th pass through a point of the checkpoint code
                 (POINT:N+ — at every pass from the N-th on):
                   pointer  SIGKILL just before `latest` moves (the checkpoint directory is already committed)
@@ -260,6 +261,8 @@ class ResumableRunner(Runner):
         return stepped
 
     def train_step(self, batch):
+        if self.state.global_step == int(os.environ.get("RAISE_AT_STEP", "-1")):
+            raise RuntimeError(f"boom at step {self.state.global_step}")
         self._steps_here += 1
         if self.state.global_step == self.kill_at or self._steps_here == self.kill_after:
             os.kill(os.getpid(), signal.SIGKILL)

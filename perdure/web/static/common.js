@@ -61,7 +61,7 @@ function fmtTime(iso) {
 }
 
 function badge(status) {
-  const known = ["running", "completed", "failed", "preempted", "stopped", "stale"];
+  const known = ["running", "completed", "failed", "preempted", "stopped", "stale", "stuck", "hung"];
   return el("span", {class: "badge " + (known.includes(status) ? status : "")}, status || "unknown");
 }
 
