@@ -115,8 +115,8 @@ _BOOLS = (
     "parallel.fsdp.offload",
     "parallel.fsdp.reshard_after_forward",
     "parallel.activation_checkpointing",
-)
     "parallel.loss_parallel",
+)
 _MISSING = object()
 # Non-key attribute (chanfig `setattr`) holding the dotted keys given on the command line: not in to_plain / yaml /
 # the canonical config, so it never changes config_id.
@@ -135,10 +135,10 @@ class RunnerConfig(chanfig.Config):
         self.epochs = None  # budget in passes over the training data (set exactly one of steps / epochs)
         self.accum_steps = 1  # micro-batches per optimizer step (gradient accumulation)
         self.precision = "fp32"  # fp32, or bf16 / fp16 autocast (fp16 also scales the loss)
+        self.loss.normalize = "mean"  # mean: train_step returns a mean; tokens: a sum, divided by the window's tokens
         self.max_grad_norm = None  # clip the gradient norm to this; None or 0: no clipping
         self.skip_nonfinite_grad = True  # skip (and count) an optimizer step whose gradients are not finite
         self.deterministic = False  # deterministic kernels (GPU resumes bit-exact); see docs/checkpoints.md
-        self.loss.normalize = "mean"  # mean: train_step returns a mean; tokens: a sum, divided by the window's tokens
         self.checkpoint = None  # start a new run from this checkpoint's full state
         self.resume = "auto"  # auto: continue this run's latest checkpoint; false: refuse to start over one
         self.pretrained = None  # start from these model weights only (an export or a checkpoint)
@@ -226,10 +226,10 @@ class RunnerConfig(chanfig.Config):
         self.parallel.fsdp.offload = False  # keep sharded parameters, gradients and optimizer state on the CPU
         self.parallel.fsdp.reshard_after_forward = True  # free gathered parameters after each block's forward
         self.parallel.activation_checkpointing = False  # recompute each block's activations in the backward
+        self.parallel.loss_parallel = False  # tensor parallel: the loss on vocabulary-sharded logits (no gather)
 
     # ------------------------------------------------------------------ views
 
-        self.parallel.loss_parallel = False  # tensor parallel: the loss on vocabulary-sharded logits (no gather)
     def to_plain(self) -> dict[str, Any]:
         """Nested plain dicts and lists (YAML / JSON dumpable); empty-dict leaves are dropped."""
         return plain_dict(self)
