@@ -46,3 +46,31 @@ def test_a_fused_qkv_model_with_state_dict_hooks_resumes_bit_for_bit_and_exports
         export = tmp_path / "model.pth"
         shutil.copy(run_dir(reference) / "model.pth", export)
         assert_ok(run("fused_qkv.py", tmp_path / "pretrained", *args, "--steps", "1", "--pretrained", str(export)))
+
+
+def attempt_log(root) -> str:
+    (log,) = (run_dir(root) / "logs").glob("*.log")
+    return log.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_state_dict_that_does_not_round_trip_stops_the_run_at_start_up_and_the_log_file_says_why(tmp_path):
+    root = tmp_path / "runs"
+    result = run("fused_qkv.py", root, *ARGS, "--stack", "parallel", LOSSY_LOAD="1")
+    assert result.returncode != 0
+    why = "the model's state dict does not come back unchanged: 8 of its entries differ after loading it back"
+    assert why in result.stdout + result.stderr
+    assert "layers.0.attn.wq.weight" in result.stdout + result.stderr
+    assert "in layers.0.attn (FusedAttention)" in result.stdout + result.stderr
+    assert why in attempt_log(root)
+    assert not list(root.glob("**/ckpt-*")), "stopped before the first step"
+
+
+@pytest.mark.timeout(120)
+def test_an_error_that_ends_a_run_in_training_is_in_the_run_log_file(tmp_path):
+    root = tmp_path / "runs"
+    result = run("resumable.py", root, "--steps", "4", "--ckpt.interval", "2", UNSAVEABLE="1")
+    assert result.returncode != 0
+    log = attempt_log(root)
+    assert "the run failed: CheckpointStateError: checkpoint ckpt-s000000000002 could not be written" in log
+    assert "Traceback (most recent call last)" in log

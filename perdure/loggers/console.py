@@ -110,6 +110,17 @@ def attach_log_file(path: Path) -> logging.Handler:
     return handler
 
 
+def record_error(handler: logging.Handler | None, error: BaseException) -> None:
+    """Write the error that ends a run, with its traceback, into the run's log file (`handler`) alone: the console
+    shows it once already (the interpreter's, or perdure's excepthook for its own errors)."""
+    if handler is None:
+        return
+    logger = get_logger()
+    cause = (type(error), error, error.__traceback__)
+    args = (type(error).__name__, error)
+    handler.handle(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "the run failed: %s: %s", args, cause))
+
+
 def detach_log_file(handler: logging.Handler | None) -> None:
     """Stop mirroring into a run's log file (its attempt is over): later runners in this process log elsewhere."""
     if handler is not None:

@@ -42,6 +42,7 @@ from perdure.loggers.console import (
     EarlyRecords,
     drop_orphaned_early_records,
     get_logger,
+    record_error,
 )
 from perdure.resilience.run_lock import RunLock
 from perdure.resilience.signals import PreemptionHandler
@@ -61,6 +62,7 @@ from perdure.runners.optim import build_optimizer, build_scheduler
 from perdure.runners.param_coverage import check_parameter_coverage
 from perdure.runners.rng import derived_seed, seed_everything
 from perdure.runners.state import RunnerState
+from perdure.runners.state_dict_check import check_state_dict_round_trip
 from perdure.runners.telemetry import RunTelemetry
 from perdure.runners.throughput import ThroughputMeter
 
@@ -190,6 +192,7 @@ class BaseRunner(
             self.ema = ExponentialMovingAverage(self.unwrap_model(), self.config.ema.decay)
         self.distribute_model()
         check_parameter_coverage(self.optimizer, self.model)  # each trainable parameter in the optimizer, once
+        check_state_dict_round_trip(self.unwrap_model())  # what a checkpoint saves of it loads back unchanged
         self.build_dataloaders()
         self.restore(self.restore_source)
         self._losses = list(self.state.pending_losses)
@@ -380,6 +383,7 @@ class BaseRunner(
             raise
         except BaseException as error:
             status, reason = "failed", f"{type(error).__name__}: {error}"
+            record_error(self._log_file, error)
             raise
         finally:
             self.close(status, reason)

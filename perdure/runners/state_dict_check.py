@@ -1,0 +1,108 @@
+"""The check, before the first step, that the model's state can be saved and loaded back (a state-dict round trip).
+
+Every backend saves the model through its own `state_dict()` and restores it through `load_state_dict()`
+(`perdure.checkpoints.module_state`), hooks included. A model whose hooks fail, produce something a checkpoint cannot
+hold, produce keys its load hooks do not take back, or take them back into other values (a fused tensor reassembled in
+another order) would fail at its first checkpoint or, worse, at its first resume. The runner takes the state dict,
+loads it back and takes it again once, when the model is in place; a difference stops the run at start-up with the
+module and the reason.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from perdure.checkpoints.module_state import load_module_state_dict, module_state_dict
+from perdure.distributed.collectives import all_ranks
+from perdure.errors import CheckpointStateError
+from perdure.runners.pipeline import ModelParts
+
+FIX = "fix the model's state-dict hooks (state_dict() must give what load_state_dict() takes back, unchanged)"
+
+
+def check_state_dict_round_trip(model: nn.Module) -> None:
+    """Save `model`'s state dict as checkpoints do, load it back and compare: refuse (CheckpointStateError naming the
+    module and the reason) a model whose state does not come back bit for bit. Collective where the model is sharded
+    (every rank calls it); leaves the model's values as they were when the round trip holds."""
+    for part in model if isinstance(model, ModelParts) else [model]:
+        _check_part(part)
+
+
+def _check_part(model: nn.Module) -> None:
+    try:
+        before = {key: _copy(key, value) for key, value in module_state_dict(model).items()}
+    except CheckpointStateError:
+        raise
+    except Exception as error:
+        where = _failing_module(model)
+        raise CheckpointStateError(
+            f"the model's state cannot be saved: state_dict() of {where} raised {type(error).__name__}: {error}; {FIX}"
+        ) from error
+    try:
+        load_module_state_dict(model, before)
+    except Exception as error:
+        raise CheckpointStateError(
+            f"the model's state dict does not load back into it: load_state_dict() of {type(model).__name__} raised "
+            f"{type(error).__name__}: {error}; {FIX}"
+        ) from error
+    after = module_state_dict(model)
+    changed = [key for key, value in before.items() if key not in after or not _same(value, after[key])]
+    changed += [key for key in after if key not in before]
+    if all_ranks(not changed):
+        return
+    if not changed:
+        raise CheckpointStateError(f"the model's state dict does not come back unchanged on another rank; {FIX}")
+    owner = _owner(model, changed[0])
+    raise CheckpointStateError(
+        f"the model's state dict does not come back unchanged: {len(changed)} of its entries differ after loading it "
+        f"back ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}), in {owner}; "
+        f"a checkpoint of it would resume another model: {FIX}"
+    )
+
+
+def _copy(key: str, value: Any) -> Any:
+    """A tensor's copy (the load may write into the very storage the state dict shares); other values must be what
+    torch.save writes."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    try:
+        torch.save(value, io.BytesIO())
+    except Exception as error:
+        raise CheckpointStateError(
+            f"the model's state dict holds {key!r} = a {type(value).__name__} that torch.save cannot write "
+            f"({type(error).__name__}: {error}); {FIX}"
+        ) from error
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (a, b))
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return type(a) is type(b)
+
+
+def _failing_module(model: nn.Module) -> str:
+    """The deepest submodule whose own `state_dict()` raises, as `name (Class)`."""
+    for name, module in reversed(list(model.named_modules())):
+        try:
+            module.state_dict()
+        except Exception:  # noqa: BLE001 - looking for where it fails, the caller reports the error itself
+            return f"{name or 'the model'} ({type(module).__name__})"
+    return f"the model ({type(model).__name__})"
+
+
+def _owner(model: nn.Module, key: str) -> str:
+    """The deepest submodule whose name prefixes state-dict key `key`, as `name (Class)`."""
+    modules = dict(model.named_modules())
+    parts = key.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:end])
+        if name in modules:
+            return f"{name} ({type(modules[name]).__name__})"
+    return f"the model ({type(model).__name__})"
