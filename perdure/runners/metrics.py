@@ -31,6 +31,7 @@ class MetricsMixin:
             count_tokens=self.batch_tokens if counts_tokens else None,
             flops_per_token=self.flops_per_token(),
             peak_flops=device_peak_flops(device, self.config.precision, self.config.perf.peak_flops),
+            data_ranks=loader.world_size,  # tensor / pipeline / context peers read the same batches: counted once
         )
 
     def _log_train_progress(self) -> None:

@@ -5,14 +5,16 @@ integers: no clock, no device sync. Everything else is measured when a log line 
 
     steps_per_s      optimizer steps per wall-clock second since the last line, everything included
     step_time        seconds per optimizer step since the last line, evaluation and checkpoint time excluded
-    samples_per_s    samples of all ranks per second of `step_time`
-    tokens_per_s     tokens of all ranks per second (when the runner's `batch_tokens` counts them)
+    samples_per_s    samples of all data-parallel ranks per second of `step_time`
+    tokens_per_s     tokens of all data-parallel ranks per second (when the runner's `batch_tokens` counts them)
     mfu              model FLOPs utilisation: tokens_per_s x flops_per_token / (peak FLOP/s x ranks), when the runner
-                     knows its FLOPs per token and the device's peak is known (`perdure.runners.peak_flops`)
+                     knows its FLOPs per token and the device's peak is known (`perdure.runners.peak_flops`); every
+                     rank's peak counts (tensor and pipeline peers share the work of the same tokens)
     peak_memory_mib  the process's peak memory so far: the CUDA allocator's peak on a GPU, the peak RSS on a CPU
     eta_s            seconds left at this attempt's average pace so far (evaluations and saves included)
 
-Counts of all ranks are this rank's times the number of ranks (every rank reads batches of the same size).
+Counts of all ranks are this rank's times the number of data-parallel ranks (every data rank reads batches of the same
+size; tensor, pipeline and context peers of a data rank read the same batches, so they count once).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class ThroughputMeter:
     evaluation or a save took, `metrics` at each train log line."""
 
     def __init__(self, world_size: int = 1) -> None:
-        self.world_size = world_size
+        self.world_size = world_size  # every rank's device: the peak MFU divides by
+        self.data_ranks = world_size  # the ranks that read different batches: what tokens are counted over
         self.count_tokens: TokenCounter | None = None
         self.flops_per_token: float | None = None
         self.peak_flops: float | None = None
@@ -55,8 +58,11 @@ class ThroughputMeter:
         count_tokens: TokenCounter | None,
         flops_per_token: float | None,
         peak_flops: float | None,
+        data_ranks: int | None = None,
     ) -> None:
-        """The loop starts at `step` of a budget of `total_steps` optimizer steps (None: unknown, no ETA)."""
+        """The loop starts at `step` of a budget of `total_steps` optimizer steps (None: unknown, no ETA); each
+        micro-batch this rank reads stands for `data_ranks` (default: every rank) micro-batches of equal size."""
+        self.data_ranks = self.world_size if data_ranks is None else data_ranks
         self.total_steps = total_steps
         self.device = device
         self.count_tokens = count_tokens
@@ -71,7 +77,7 @@ class ThroughputMeter:
         """One optimizer step read `samples` samples of all ranks, in this rank's micro-`batches`."""
         self._samples += samples
         if self.count_tokens is not None:
-            self._tokens += sum(self.count_tokens(batch) for batch in batches) * self.world_size
+            self._tokens += sum(self.count_tokens(batch) for batch in batches) * self.data_ranks
 
     def exclude(self, seconds: float) -> None:
         """Time spent outside training steps (an evaluation, a save): not part of `step_time`."""
