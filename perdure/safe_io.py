@@ -104,6 +104,58 @@ def read_regular(path: str | os.PathLike, limit: int, *, follow_symlinks: bool =
         os.close(fd)
 
 
+MAX_TREE_ENTRIES = 1_000_000  # files and folders of one checkpoint tree walked at most
+MAX_TREE_DEPTH = 32
+
+
+def regular_files_under(root: str | os.PathLike) -> list[Path]:
+    """Every regular file under directory `root`, found by walking it entry by entry without following anything: a
+    symlink anywhere (to a file or to a folder), a FIFO, a device or a socket is an `UnsafeFileError` naming it, as is
+    a tree deeper or larger than perdure ever writes. `root` itself must be a real directory. For trees that code
+    other than perdure's then opens by name (`Path.rglob` does not descend into a symlinked folder: what lies behind
+    one was never looked at)."""
+    root = Path(root)
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeFileError(root, f"is {kind_of(info.st_mode)}, not a directory")
+    files: list[Path] = []
+    pending, seen = [(root, 0)], 0
+    while pending:
+        directory, depth = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                seen += 1
+                if seen > MAX_TREE_ENTRIES:
+                    raise UnsafeFileError(root, f"holds more than {MAX_TREE_ENTRIES:,} entries")
+                mode = entry.stat(follow_symlinks=False).st_mode
+                path = Path(entry.path)
+                if stat.S_ISREG(mode):
+                    files.append(path)
+                elif stat.S_ISDIR(mode):
+                    if depth + 1 >= MAX_TREE_DEPTH:
+                        raise UnsafeFileError(path, f"lies more than {MAX_TREE_DEPTH} folders deep")
+                    pending.append((path, depth + 1))
+                else:
+                    raise UnsafeFileError(path, f"is {kind_of(mode)}; perdure reads regular files and folders only")
+    return sorted(files)
+
+
+def check_real_path(path: str | os.PathLike, root: str | os.PathLike) -> Path:
+    """`path`, after checking each of its components below `root` (which must be its prefix, not resolved): every
+    one exists and none is a symlink (`UnsafeFileError` naming the first that is). Unlike `check_inside`, a symlink
+    that points back inside is refused too: code that opens `path` by name later must meet the same files."""
+    path, root = Path(path), Path(root)
+    current = root
+    for part in path.relative_to(root).parts:
+        current = current / part
+        info = os.lstat(current)
+        if stat.S_ISLNK(info.st_mode):
+            raise UnsafeFileError(
+                current, f"is a symlink (to {_link_target(current)}); perdure does not follow one here"
+            )
+    return path
+
+
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 

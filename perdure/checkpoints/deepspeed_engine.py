@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,11 @@ import torch
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, write_file
+from perdure.checkpoints.deepspeed_files import check_engine_files, check_tag_dir
 from perdure.checkpoints.deepspeed_universal import UniversalSource, prune_derived
 from perdure.checkpoints.file import _save, local_file, read_local_states
+from perdure.checkpoints.safe_unpickle import deepspeed_loads_restricted, deepspeed_refusal
 from perdure.errors import CheckpointError
-from perdure.safe_io import is_symlink
 
 logger = logging.getLogger("perdure")
 
@@ -156,11 +158,14 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         check_tag_dir(path / TAG)
         engine._config.load_universal_checkpoint = universal  # read by load_checkpoint only, for this one load
         try:
-            load_path, client = engine.load_checkpoint(
-                str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
-            )
+            with deepspeed_loads_restricted():  # a universal load torch.loads zero/<param>/*.pt by name itself
+                load_path, client = engine.load_checkpoint(
+                    str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+                )
         except CheckpointError:
             raise
+        except pickle.UnpicklingError as error:
+            raise deepspeed_refusal(path / TAG, error) from None
         except Exception as error:
             raise CheckpointError(
                 f"DeepSpeed could not load checkpoint {path}: {type(error).__name__}: {error}"
@@ -201,28 +206,6 @@ def _check_same_settings(path: Path, stored: Any, engine: Any) -> None:
         )
 
 
-def check_tag_dir(tag_dir: Path) -> None:
-    """The engine's tag directory is a real directory of the checkpoint, not a symlink to files elsewhere."""
-    if is_symlink(tag_dir) or not tag_dir.is_dir():
-        raise CheckpointError(f"{tag_dir} is not a directory of the checkpoint (a symlink, a file or missing)")
-
-
-def check_engine_files(tag_dir: Path) -> list[Path]:
-    """Every engine file of a tag directory checked against the allow-list (pickles only: tensor data is mapped, not
-    read), before code that unpickles them without restriction (DeepSpeed's zero-to-fp32 and universal conversion)
-    sees them. A CheckpointError names the file and the global; returns the files."""
-    from perdure.checkpoints.safe_unpickle import load_deepspeed_file
-
-    check_tag_dir(tag_dir)
-    files = sorted(path for path in tag_dir.rglob("*.pt") if path.is_file() or path.is_symlink())
-    for path in files:
-        try:
-            load_deepspeed_file(path, mmap=True)
-        except OSError as error:
-            raise CheckpointError(f"cannot read {path}: {error}") from None
-    return files
-
-
 def read_deepspeed_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     """Model (or EMA) weights of a DeepSpeed checkpoint directory, in this process alone (no engine, no ranks).
 
@@ -254,7 +237,10 @@ def read_deepspeed_weights(path: Path, ema: bool = False) -> dict[str, torch.Ten
 
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress
-            weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG)
+            with deepspeed_loads_restricted():
+                weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG)
+    except pickle.UnpicklingError as error:
+        raise deepspeed_refusal(tag_dir, error) from None
     except Exception as error:
         raise CheckpointError(f"cannot gather the weights of {path}: {type(error).__name__}: {error}") from error
     return {name: tensor.clone() for name, tensor in weights.items()}  # each its own storage, not a flat group's view

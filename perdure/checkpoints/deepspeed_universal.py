@@ -12,9 +12,11 @@ run) and committed through the one protocol (`commit.py`) when training starts, 
 
 whose manifest names the checkpoint it came from (`derived_from`: name and creation time). The original is never
 touched; the next restore of the same checkpoint on another world size loads the derived one after verifying it.
-Retention removes a derived checkpoint with its original. Every file of the original is checked against the
-allow-list before DeepSpeed's converter (which unpickles without restriction) reads it, and every file of a derived
-checkpoint before the engine loads it.
+Retention removes a derived checkpoint with its original. Every file of the original is checked
+(`deepspeed_files.check_engine_files`: no symlink anywhere, the allow-list, parameter names that are plain path
+components) before DeepSpeed's converter reads it, and every file of a derived checkpoint before the engine loads it;
+both run with every `torch.load` restricted (`deepspeed_loads_restricted`). A derived checkpoint that is refused
+is converted again from its original, and moved to quarantine (with the reason) when training starts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import argparse
 import contextlib
 import io
 import logging
+import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,13 +38,16 @@ from perdure.checkpoints.commit import (
     commit_checkpoint,
     hash_file,
     make_staging_dir,
+    quarantine,
     read_manifest,
     verify_checkpoint,
 )
+from perdure.checkpoints.deepspeed_files import check_engine_files
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
+from perdure.checkpoints.safe_unpickle import deepspeed_loads_restricted, deepspeed_refusal
 from perdure.distributed.collectives import broadcast_object
 from perdure.errors import CheckpointCorruptError, CheckpointError
-from perdure.safe_io import ensure_dir, is_symlink
+from perdure.safe_io import check_real_path, ensure_dir, is_symlink, regular_files_under
 
 logger = logging.getLogger("perdure")
 
@@ -60,11 +67,10 @@ class UniversalSource:
     def __init__(self, checkpoint: Path, tag: str, rank: int) -> None:
         self.checkpoint, self.tag, self.rank = checkpoint, tag, rank
         self.temporary: Path | None = None  # rank 0: a conversion not yet committed
+        self.refused: str | None = None  # rank 0: why the derived checkpoint kept in the run was refused
 
     def locate(self, world_size: int) -> Path:
         """The directory holding the universal tag (collective: rank 0 decides, converting if needed)."""
-        from perdure.checkpoints.deepspeed_engine import check_engine_files
-
         outcome: tuple[str, Any] = ("", None)
         if self.rank == 0:
             try:
@@ -87,13 +93,23 @@ class UniversalSource:
 
     def _existing(self) -> Path | None:
         derived = derived_path(self.checkpoint)
-        if not derived.is_dir():
+        if not os.path.lexists(derived):
             return None
         try:
+            check_real_path(derived, self.checkpoint.parent)  # `universal/` and the checkpoint: no symlink
             manifest = verify_checkpoint(derived)
+            check_engine_files(derived / self.tag)
         except CheckpointCorruptError as error:
             logger.warning("universal checkpoint %s does not verify (%s): converting %s again", derived, error.reason,
                            self.checkpoint.name)  # fmt: skip
+            return None
+        except (CheckpointError, OSError) as error:
+            self.refused = str(error)
+            logger.warning(
+                "CHECKPOINT PROBLEM: refused the universal form %s of %s (%s); converting %s again (the refused one "
+                "is moved to quarantine when training starts)", derived, self.checkpoint.name, error,
+                self.checkpoint.name,
+            )  # fmt: skip
             return None
         if manifest.get("derived_from") != self._origin() or manifest.get("backend") != BACKEND:
             logger.warning("%s was not derived from this %s: converting it again", derived, self.checkpoint.name)
@@ -127,7 +143,12 @@ class UniversalSource:
         output = io.StringIO()
         try:
             with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):  # its progress bars
-                to_universal(arguments)
+                with deepspeed_loads_restricted():
+                    to_universal(arguments)
+            regular_files_under(temporary)  # what the engine will load: its own regular files, no symlink
+        except pickle.UnpicklingError as error:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise deepspeed_refusal(self.checkpoint / self.tag, error) from None
         except Exception as error:
             shutil.rmtree(temporary, ignore_errors=True)
             raise CheckpointError(
@@ -149,7 +170,11 @@ class UniversalSource:
         temporary, self.temporary = self.temporary, None
         target = derived_path(self.checkpoint)
         try:
-            if target.exists():  # a stale or broken one: the fresh conversion replaces it
+            if self.refused is not None:  # kept, with the reason, for whoever wants to see what was handed over
+                moved = quarantine(target, f"refused universal form of {self.checkpoint.name}: {self.refused}")
+                logger.warning("CHECKPOINT PROBLEM: moved the refused %s to %s", target, moved)
+                self.refused = None
+            elif target.exists():  # a stale or broken one: the fresh conversion replaces it
                 retire(target)
             root = ensure_dir(target.parent)
             staging = make_staging_dir(root, target.name)

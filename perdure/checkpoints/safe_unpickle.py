@@ -15,9 +15,13 @@ perdure reads goes through an allow-list:
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import functools
 import os
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -90,11 +94,65 @@ DEEPSPEED_GLOBALS = (
 )
 
 
+@functools.cache
 def deepspeed_globals() -> list[Any]:
-    """The classes of `DEEPSPEED_GLOBALS` (imports DeepSpeed)."""
+    """The classes of `DEEPSPEED_GLOBALS` for `torch.serialization.safe_globals` (imports DeepSpeed).
+
+    torch's unpickler sets attributes (BUILD) on any object whose type is allowed. An enum member is a value shared
+    by the whole process (`ZeroStageEnum(2)` returns the one `ZeroStageEnum.gradients`), so the enum is allowed
+    under its name as a function that looks a member up: the member's type is then not allowed, and a pickle cannot
+    change it."""
     import importlib
 
-    return [getattr(importlib.import_module(module), name) for module, name in DEEPSPEED_GLOBALS]
+    allowed: list[Any] = []
+    for module, name in DEEPSPEED_GLOBALS:
+        found = getattr(importlib.import_module(module), name)
+        if isinstance(found, enum.EnumMeta):
+            allowed.append((_enum_lookup(found), f"{module}.{name}"))
+        else:
+            allowed.append(found)
+    return allowed
+
+
+def _enum_lookup(enum_class: enum.EnumMeta) -> Any:
+    def member(value: Any) -> Any:
+        return enum_class(value)
+
+    return member
+
+
+@contextlib.contextmanager
+def deepspeed_loads_restricted() -> Iterator[None]:
+    """While DeepSpeed's own code runs (its engine's universal load, its universal converter, zero-to-fp32), every
+    `torch.load` of the process is `weights_only=True` with `DEEPSPEED_GLOBALS` allowed, whatever the caller asked:
+    DeepSpeed opens the files of a checkpoint by name with `weights_only=False`. torch reads
+    `TORCH_FORCE_WEIGHTS_ONLY_LOAD` at every load; a refused pickle raises torch's UnpicklingError (a
+    `CheckpointError` through `deepspeed_refusal`)."""
+    names = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)  # both set is an error of torch's
+    try:
+        with _deepspeed_globals_allowed():
+            yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _deepspeed_globals_allowed() -> contextlib.AbstractContextManager[Any]:
+    """torch's `safe_globals` of those of `DEEPSPEED_GLOBALS` not allowed yet: leaving a nested one (a file read
+    through `load_deepspeed_file` inside `deepspeed_loads_restricted`) must not disallow the outer one's."""
+    present = torch.serialization.get_safe_globals()
+    return torch.serialization.safe_globals([item for item in deepspeed_globals() if item not in present])
+
+
+def deepspeed_refusal(what: object, error: pickle.UnpicklingError) -> CheckpointError:
+    """The `CheckpointError` of a pickle that `deepspeed_loads_restricted` refused in DeepSpeed's code."""
+    return _torch_refusal(what, error)
 
 
 def load_deepspeed_file(path: Path, *, mmap: bool = False) -> Any:
@@ -102,7 +160,7 @@ def load_deepspeed_file(path: Path, *, mmap: bool = False) -> Any:
     refusal is a `CheckpointError` naming the file and the global. `mmap` maps tensor data instead of reading it (a
     cheap check of the pickle alone). OSError (missing, a symlink, not a regular file) passes through."""
     os.close(open_regular(path))  # a regular file, not a symlink: torch.load below opens it by name (mmap needs that)
-    with torch.serialization.safe_globals(deepspeed_globals()):
+    with _deepspeed_globals_allowed():
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as error:
