@@ -193,6 +193,18 @@ def test_continue_unfinished_false_starts_a_separate_run(repo, tmp_path):
     assert str(stopped) in named and "This start is a new run" in named
 
 
+def test_a_start_from_a_checkpoint_of_the_unfinished_run_branches_a_new_run(repo, tmp_path):
+    root = tmp_path / "runs"
+    train_until_sigterm(repo, root)
+    commit_something(repo)
+    (stopped,) = run_dirs(root)
+    checkpoint = stopped / "checkpoints" / "ckpt-s000000000010"
+    branch = train(repo, root, "--steps", "12", "--checkpoint", str(checkpoint))
+    assert_ok(branch)
+    assert len(run_dirs(root)) == 2 and "continuing the run" not in branch.stdout
+    assert f"starting from checkpoint {checkpoint} (step 10)" in branch.stdout
+
+
 def test_a_checkout_git_refuses_is_the_same_run_or_a_clear_refusal(repo, tmp_path, reference):
     root = tmp_path / "runs"
     train_until_sigterm(repo, root)

@@ -177,7 +177,7 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
             path, code, run_id, continued = root / entry["run_dir"], entry["code_id"], entry["run_id"], True
     unfinished = None
     if not continued and not workspace.get("code_id") and workspace.get("continue_unfinished", True):
-        unfinished = _unfinished_run_of_other_code(path, root, lineage, cfg, workspace_id, running)
+        unfinished = _unfinished_run_of_other_code(path, root, lineage, cfg, workspace_id, running, config)
         if unfinished is not None:
             path, code, run_id = unfinished.path, unfinished.path.parent.name[len(lineage) + 1 :], unfinished.path.name
     return RunDir(
@@ -197,13 +197,16 @@ def resolve_run_dir(config, runner_class_name: str) -> RunDir:
 
 
 def _unfinished_run_of_other_code(
-    path: Path, root: Path, lineage: str, config_id: str, workspace_id: str | None, running: str | None
+    path: Path, root: Path, lineage: str, config_id: str, workspace_id: str | None, running: str | None, config
 ) -> SiblingRun | None:
     """A fresh launch whose own directory (`path`) has no checkpoint continues the unfinished run of the same lineage
-    and config that other code trained (see `siblings.unfinished_sibling`); None when there is none to continue."""
+    and config that other code trained (see `siblings.unfinished_sibling`); None when there is none to continue.
+    A run that `--checkpoint` / `--pretrained` start from is not continued: the command branches a new run from it."""
     if committed_checkpoints(path / "checkpoints"):
         return None
     siblings = sibling_runs(root, lineage=lineage, config_id=config_id, workspace_id=workspace_id, exclude=path)
+    sources = [Path(source).absolute() for source in (config.get("checkpoint"), config.get("pretrained")) if source]
+    siblings = [s for s in siblings if not any(source.is_relative_to(s.path.absolute()) for source in sources)]
     return unfinished_sibling(siblings, lineage=lineage, running_code_id=running)
 
 
