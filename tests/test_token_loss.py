@@ -57,9 +57,15 @@ def hand_gradients(config: padded_lm.Config, normalize: str) -> tuple[dict[str, 
     return initial, {name: parameter.grad for name, parameter in model.named_parameters()}
 
 
+STACKS = {"ddp": ("--stack", "torch"), "deepspeed-zero3": ("--stack", "deepspeed", "--deepspeed.zero_stage", "3")}
+
+
 @pytest.mark.timeout(240)
-def test_token_weighted_gradient_on_two_ranks_with_accumulation_equals_a_hand_computation(tmp_path):
-    assert_all_ok(run_ranks(2, "padded_lm.py", tmp_path, "--stack", "torch", *ONE_STEP, timeout=180))
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_token_weighted_gradient_on_two_ranks_with_accumulation_equals_a_hand_computation(tmp_path, stack):
+    if stack.startswith("deepspeed"):
+        pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    assert_all_ok(run_ranks(2, "padded_lm.py", tmp_path, *STACKS[stack], *ONE_STEP, timeout=180))
     trained = final_weights(tmp_path)
     config = padded_lm.Config()
     initial, gradients = hand_gradients(config, "tokens")
