@@ -9,7 +9,8 @@ loop as on every stack. The loop's override points map onto the engine:
     backward(loss)             engine.backward(loss, scale_wrt_gas=False): the loop already divided by the window
     optimizer_step()           engine.step(): clipping, the non-finite / fp16-overflow skip (agreed by every rank in
                                DeepSpeed's own all-reduce), the step, zeroed gradients; `was_step_applied()` is the
-                               answer the loop counts skipped steps with
+                               answer the loop counts skipped steps with; `grad_norm` is the engine's global norm
+                               (ZeRO 1-3), the runner's over the whole gradients under ZeRO-0
     checkpoint_states()        the engine replaces model and optimizer: the deepspeed backend saves it with
                                `engine.save_checkpoint` into perdure's staging dir (`checkpoints/deepspeed_engine.py`)
 
@@ -103,6 +104,9 @@ class DeepSpeedRunner(TorchRunner):
 
     def optimizer_step(self) -> bool:
         engine = self.engine
+        stage = engine.zero_optimization_stage()
+        if stage == 0 and self.grad_norm_due():  # ZeRO-0: whole, reduced gradients; the engine keeps no norm
+            self.grad_norm = self.gradient_norm(list(engine.module.parameters()), None)
         if self._checks_finite_itself():
             grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
             finite = self._grads_finite(grads)
@@ -112,6 +116,8 @@ class DeepSpeedRunner(TorchRunner):
                 engine.zero_grad()
                 return False
         engine.step()
+        if stage > 0 and self.grad_norm_due():  # ZeRO 1-3 take the global norm before clipping in every step
+            self.grad_norm = engine.get_global_grad_norm()
         return bool(engine.was_step_applied())
 
     def _checks_finite_itself(self) -> bool:

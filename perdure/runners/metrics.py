@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from perdure.data.loader import ResumableLoader
 from perdure.runners.losses import mean_loss
 from perdure.runners.peak_flops import device_peak_flops
@@ -15,6 +17,16 @@ class MetricsMixin:
     """The throughput meter's start, the train log line, and the public `log_metrics` / `log_image`. Part of
     `BaseRunner` (one concept per file); it uses the runner's `state`, `config`, `optimizer`, `meter`, `telemetry` and
     the loop's pending `_losses`."""
+
+    # The global gradient norm before clipping of the last optimizer step that took it (`grad_norm_due`): the
+    # `grad_norm` column of the next train log line. A tensor until the line is written (no device sync per step).
+    grad_norm: torch.Tensor | float | None = None
+
+    def grad_norm_due(self) -> bool:
+        """Called by a stack's optimizer step before it steps: whether to take the gradient norm (over every shard and
+        stage) now. True when gradients are clipped (the norm is taken anyway) or the step ends at a train log line;
+        the same on every rank, so a norm that needs collectives is taken by all of them. Must not change state."""
+        return bool(self.config.max_grad_norm) or (self.state.global_step + 1) % self.cadence.log_every == 0
 
     def _start_meter(self, loader: ResumableLoader, counts_tokens: bool) -> None:
         """The loop starts: what the log lines' throughput columns need (token counting when the runner overrides
@@ -40,6 +52,9 @@ class MetricsMixin:
         loss = mean_loss(self._losses)  # floats carried over a resume, then this run's tensors
         self._losses.clear()
         metrics = {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.grad_norm is not None:
+            metrics["grad_norm"] = float(self.grad_norm)
+            self.grad_norm = None
         metrics.update(self.meter.metrics(self.state.global_step))
         self.log_metrics("train", metrics)
         self.telemetry.flush()

@@ -381,16 +381,10 @@ class ParallelRunner(TorchRunner):
                                "(model.pth) and load them with --pretrained on one process instead")  # fmt: skip
         return super().infer(split)
 
-    def clip_and_check_gradients(self, parameters: list[torch.Tensor]) -> bool:
-        """Clipping takes the norm over the whole mesh (every shard, every stage); the finite check looks at this
-        rank's shards (the optimizer step then agrees it over every rank)."""
-        if self.config.max_grad_norm:
-            group = self.pipeline.group if self.pipeline is not None else None
-            return bool(torch.isfinite(clip_grad_norm(parameters, self.config.max_grad_norm, group)))
-        if self.config.skip_nonfinite_grad:
-            grads = [p.grad for p in parameters if p.grad is not None]
-            return self._grads_finite([grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads])
-        return True
+    def gradient_norm(self, parameters: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+        """The norm over the whole mesh (every shard, every stage: `distributed/grad_norm.py`); the finite check looks
+        at this rank's shards (the optimizer step then agrees it over every rank)."""
+        return clip_grad_norm(parameters, max_norm, self.pipeline.group if self.pipeline is not None else None)
 
     # ---- checkpoints and exports ---------------------------------------------------------------------------------
 

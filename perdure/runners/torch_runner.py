@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from perdure.checkpoints.base import Stateful
@@ -117,14 +118,27 @@ class TorchRunner(BaseRunner):
         return finite or not self.config.skip_nonfinite_grad
 
     def clip_and_check_gradients(self, parameters: list[torch.Tensor]) -> bool:
-        """Called by `optimizer_step` after unscaling: clip to `max_grad_norm` when set; return whether every gradient
-        is finite (checked only when clipping or `skip_nonfinite_grad` asks for it). The caller agrees the answer over
+        """Called by `optimizer_step` after unscaling: take the gradient norm when it is due (`grad_norm_due`: kept
+        in `self.grad_norm` for the log line) and clip to `max_grad_norm` when set; return whether every gradient is
+        finite (checked only when clipping or `skip_nonfinite_grad` asks for it). The caller agrees the answer over
         all ranks. Must not step or zero anything."""
-        if self.config.max_grad_norm:
-            return bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm)))
+        max_norm = self.config.max_grad_norm or None
+        if max_norm or self.grad_norm_due():
+            self.grad_norm = self.gradient_norm(parameters, max_norm)
+            if max_norm:
+                return bool(torch.isfinite(self.grad_norm))
         if self.config.skip_nonfinite_grad:
-            return self._grads_finite([p.grad for p in parameters if p.grad is not None])
+            grads = [p.grad for p in parameters if p.grad is not None]
+            return self._grads_finite([grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads])
         return True
+
+    def gradient_norm(self, parameters: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+        """The 2-norm of the model's gradients before clipping, the same on every rank; with `max_norm`, the gradients
+        are then clipped to it (one pass). Called by `clip_and_check_gradients`; a stack whose gradients are sharded
+        or split into stages overrides it. Must not step or zero anything."""
+        if max_norm:
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
 
     def _grads_finite(self, grads: list[torch.Tensor]) -> bool:
         """One fused pass over the gradients per device (the kernel GradScaler uses, with a scale of exactly 1)."""
