@@ -199,6 +199,7 @@ class RunnerConfig(chanfig.Config):
         self.resilience.max_attempts_without_progress = 3  # failed attempts in a row, no new checkpoint: exit 93
         self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
         self.dist.timeout = 600  # seconds a collective may wait before the run fails instead of hanging
+        self.dist.step_timeout = 300  # seconds a step may take before its rank is named hung (exit 92); 0: never
         # stack=deepspeed (docs/deepspeed.md); this section is no part of other stacks' config identity.
         self.deepspeed.zero_stage = 2  # 0 (plain data parallel), 1, 2 or 3
         self.deepspeed.offload_optimizer = False  # ZeRO-Offload of optimizer states to the CPU
@@ -406,6 +407,7 @@ class RunnerConfig(chanfig.Config):
         if abs(get("seed")) >= MAX_SEED:  # the loader seeds each epoch with seed * 1_000_003 + epoch, in 64 bits
             raise ConfigError("seed", get("seed"), f"use an integer between -{MAX_SEED - 1} and {MAX_SEED - 1}")
         check_number("dist.timeout", get("dist.timeout"), "a number of seconds > 0", lambda x: x > 0)
+        check_number("dist.step_timeout", get("dist.step_timeout"), "seconds >= 0 (0: never)", lambda x: x >= 0)
         exit_code = get("resilience.exit_code")
         if exit_code is not None and not (is_int(exit_code) and 0 <= exit_code <= 255):
             raise ConfigError("resilience.exit_code", exit_code, "use an integer from 0 to 255, or None for 128+signal")

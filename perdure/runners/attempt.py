@@ -25,6 +25,7 @@ from perdure.distributed.collectives import broadcast_object
 from perdure.errors import ConfigError, PerdureError, RunStuckError, WorkspaceError
 from perdure.loggers.console import attach_log_file, detach_log_file
 from perdure.resilience.crash_loop import STUCK_EXIT, is_retry, refuse_if_stuck
+from perdure.resilience.hang_watch import HangVerdict
 from perdure.resilience.run_lock import LOCK_NAME, RunLock
 from perdure.runners.export import read_weights
 from perdure.workspace.identity import canonical_config
@@ -140,6 +141,7 @@ class AttemptMixin:
                        tags=list(self.config.workspace.tags))  # fmt: skip
 
     def _release(self) -> None:
+        self.hang_watch.stop()
         self.logger.removeHandler(self._early_records)
         detach_log_file(self._log_file)
         self._log_file = None
@@ -166,6 +168,15 @@ class AttemptMixin:
             raise
         self.checkpoints.token = self.attempt_started
         self.logger.removeHandler(self._early_records)
+        self.hang_watch.start(self.attempt_started, on_hang=self._record_hang)
+
+    def _record_hang(self, verdict: HangVerdict) -> None:
+        """On the hang watch's thread, before this rank exits `hung`: rank 0 ends the attempt's record with the
+        verdict's line; when rank 0 itself is the stopped one (it cannot), the rank that reported the hang does."""
+        if self.is_main_process:
+            self.telemetry.record_hang(verdict.line)
+        elif verdict.reporter == self.rank and 0 in verdict.frozen:
+            self.telemetry.record_hang_for(self.attempt_started, verdict.line)
 
     def _open_attempt(self) -> tuple[str, Any]:
         """Rank 0: open the run (`_open_run`), then the attempt's log file and records; returns ("ok", the attempt's

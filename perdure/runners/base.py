@@ -44,6 +44,7 @@ from perdure.loggers.console import (
     get_logger,
     record_error,
 )
+from perdure.resilience.hang_watch import HangWatch
 from perdure.resilience.run_lock import RunLock
 from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.accumulation import AccumulationMixin
@@ -149,6 +150,7 @@ class BaseRunner(
             self.checkpoints = self._checkpoint_manager()
         if self.restore_source.kind == "pretrained":
             self._pretrained_weights = read_weights(self.restore_source.path)
+        self.hang_watch = HangWatch.for_runner(self)  # dist.step_timeout: started with the attempt (attempt.py)
         self.telemetry = RunTelemetry(self.run_dir, config, self.state, active=self.is_main_process)
         self._saved_position: tuple[int, int, int] | None = None
         self._topology_change: dict[str, Any] | None = None  # set by a restore on another world size
@@ -397,7 +399,7 @@ class BaseRunner(
             self._report_saves(self.checkpoints.close())
         finally:
             try:
-                self.telemetry.finish(status, reason)
+                self.telemetry.finish(*self.hang_watch.outcome(status, reason))
             finally:
                 self._release()
 
@@ -460,6 +462,7 @@ class BaseRunner(
                 if epoch_started and consumed == 0:
                     raise PerdureError("the 'train' dataloader yields no batches: check the dataset and batch_size")
                 self._end_epoch()
+        self.hang_watch.enter("closing")  # the final or preemption save, the drain and the export: not a step
         if done() and not self.stop_signal:
             self._finish()
         else:
@@ -469,7 +472,7 @@ class BaseRunner(
         """Groups of `accum_steps` micro-batches; an epoch's last window may be shorter and is stepped as is."""
         accum = self.config.accum_steps
         window: list[Any] = []
-        for batch in loader.iter_epoch(self.state.epoch, self.state.samples_in_epoch):
+        for batch in self.hang_watch.fetching(loader.iter_epoch(self.state.epoch, self.state.samples_in_epoch)):
             window.append(batch)
             if len(window) == accum:
                 yield window

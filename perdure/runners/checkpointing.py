@@ -20,6 +20,7 @@ from perdure.checkpoints.source import RestoreSource
 from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError, PerdureError
 from perdure.loggers.console import get_logger
+from perdure.resilience.hang_watch import watched_phase
 from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
 from perdure.runners.export import export_weights, read_weights, save_safetensors
 from perdure.runners.losses import losses_as_floats
@@ -87,6 +88,7 @@ class CheckpointingMixin:
         """Rank-local objects, restored after everything else: data position, then the RNGs."""
         return {"data": _DataPosition(self), "rng": RNGState()}
 
+    @watched_phase("checkpoint")  # not a step: dist.step_timeout does not count it
     def save_checkpoint(self, reason: str) -> Path | None:
         """Save the current position (once per position); `reason` (interval, best, final, preemption) goes into the
         manifest. Async modes return as soon as the snapshot is handed over. A failed save is reported and, unless it

@@ -14,6 +14,7 @@ import torch
 from perdure.data.loader import ResumableLoader
 from perdure.distributed.collectives import all_gather_object, max_each_over_ranks, max_over_ranks, sum_over_ranks
 from perdure.errors import PerdureError
+from perdure.resilience.hang_watch import watched_phase
 from perdure.runners.rng import RNGState
 
 _NO_BATCH = object()  # an iterator's end, as `next(iterator, _NO_BATCH)` says it
@@ -188,6 +189,7 @@ class EvaluationMixin:
         model.train(was_training)
         return torch.cat(outputs)
 
+    @watched_phase("evaluation")  # not a step: dist.step_timeout does not count it
     def _evaluate_and_score(self) -> bool:
         """The training loop's evaluation of every split: its results are kept, logged and scored; returns True.
 

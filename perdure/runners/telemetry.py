@@ -226,6 +226,33 @@ class RunTelemetry:
                 self._write_sidecar()
             self.active = False
 
+    def record_hang(self, reason: str) -> None:
+        """The hang watch ends the attempt (`perdure.resilience.hang_watch`; called on its thread, the process exits
+        right after): the sidecar records `hung` with `reason`, then the loggers are flushed (not closed)."""
+        if not self.active or self.sidecar is None:
+            return
+        self.active = False
+        self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+        self.sidecar.finish_attempt("hung", reason)
+        self._write_sidecar()
+        self.loggers.flush()
+
+    def record_hang_for(self, attempt: str, reason: str) -> None:
+        """Another rank records the hang of attempt `attempt` because rank 0, which keeps the sidecar, is the stopped
+        one: the sidecar on disk ends that attempt `hung` (left alone if it recorded another end meanwhile)."""
+        sidecar = self._new_sidecar(
+            run_id=self.run_dir.run_id,
+            lineage=self.run_dir.lineage,
+            code_id=self.run_dir.code_id,
+            config_id=self.run_dir.config_id,
+            hparams=canonical_config(self.config),
+            tags=list(self.config.workspace.tags),
+        )
+        current = sidecar.current_attempt
+        if current is not None and current.get("started") == attempt and current.get("status") == "running":
+            sidecar.finish_attempt("hung", reason)
+            sidecar.write()
+
     def abandon(self) -> None:
         """The attempt could not begin (its first writes failed): close what `start` opened, write nothing more."""
         if not self.active:
