@@ -105,7 +105,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if status == STALE:
         status += f" (sidecar says running; last sign of life {_when(data.get('updated'))})"
     elif status == "stuck" and isinstance(data.get("stuck_reason"), str):
-        status += f" ({data['stuck_reason']}; exits 93 until retried)"
+        status += f" ({data['stuck_reason']})"
     fields = [
         ("run", record.run_id),
         ("path", str(record.path)),

@@ -44,6 +44,8 @@ def test_a_crash_loop_exits_93_and_the_run_is_stuck(tmp_path, capsys):
     capsys.readouterr()
     assert perdure_cli(["runs", "ls", "--root", str(tmp_path), "--status", "stuck"]) == 0
     assert run_dir(tmp_path).name in capsys.readouterr().out
+    assert perdure_cli(["runs", "show", run_dir(tmp_path).name, "--root", str(tmp_path)]) == 0
+    assert "stuck (2 attempts in a row ended without a checkpoint beyond step 10" in capsys.readouterr().out
 
     # a larger limit: one more attempt (which fails the same way), then refused again
     larger = (*ARGS, "--resilience.max_attempts_without_progress", "3")
