@@ -3,19 +3,25 @@
 The lighthouse forms a quorum of the live replica groups at every step: a group whose heartbeats stop for
 `heartbeat_timeout_ms` is left out of the next quorum, and a group that joins is added. It holds no training state,
 so it can be restarted; groups that cannot reach it stop at their next quorum after `ft.quorum_timeout`.
+
+It listens on loopback unless told otherwise: its port also serves torchft's dashboard, which lists the replica
+groups and stops any of them on a plain `POST /replica/<id>/kill` (no authentication, no origin check), so another
+interface is used only when asked (`--bind HOST:PORT`), with a warning.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from perdure.errors import PerdureError
 from perdure.ft.config import FT_EXTRA_HINT
+from perdure.web.server import is_loopback
 
-DEFAULT_BIND = "[::]:29510"
+DEFAULT_BIND = "127.0.0.1:29510"
 DEFAULT_JOIN_TIMEOUT_MS = 60_000
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 5_000
 DEFAULT_QUORUM_TICK_MS = 100
@@ -69,6 +75,15 @@ def address(server: Any, bind: str) -> str:
 
 def serve(bind: str, *, announce: Callable[[str], None] = print, **options: int) -> None:
     """Run a lighthouse until SIGINT or SIGTERM; `announce` receives the line that names its address."""
+    host = bind.rsplit(":", 1)[0]
+    if not is_loopback(host):
+        print(
+            f"warning: the lighthouse listens on {bind}, not on loopback: anyone who can reach that port sees the "
+            "replica groups on torchft's dashboard there and can stop any of them (POST /replica/<id>/kill needs no "
+            "authentication). Bind it to the interface the groups use, on a network only they can reach.",
+            file=sys.stderr,
+            flush=True,
+        )
     server = start_lighthouse(bind, **options)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # kept to the end: a second signal never interrupts the shutdown

@@ -29,6 +29,7 @@ from torch import nn
 
 from perdure.checkpoints.snapshot import is_dtensor, local_part
 from perdure.errors import PerdureError
+from perdure.ft.ports import host_port, listen_address, manager_server_on, rebind_transport, store_on
 
 # torch warns once that tensors loaded from a byte stream view read-only memory; the transport copies them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module="torch.distributed._serialization")
@@ -60,7 +61,13 @@ def _transport_class() -> type:
     from torchft.checkpointing import HTTPTransport
 
     class RestrictedHTTPTransport(HTTPTransport):
-        """torchft's HTTP checkpoint transport whose receiving side only unpickles tensors and plain data."""
+        """torchft's HTTP checkpoint transport whose receiving side only unpickles tensors and plain data, and whose
+        server listens on the group's address `ip` only, advertised as `host` (see ports.py)."""
+
+        def __init__(self, timeout: timedelta, *, host: str, ip: str) -> None:
+            self._advertised = host
+            super().__init__(timeout=timeout, num_chunks=0)
+            rebind_transport(self, ip)
 
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
             address = f"{metadata}{step}/full"
@@ -78,6 +85,10 @@ def _transport_class() -> type:
             # The tensors view the received bytes, which are read-only: own copies, so that the optimizer's state
             # can be updated in place.
             return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, state)
+
+        def address(self) -> str:
+            """The address a healing peer downloads from: the group's own (see `ports.rebind_transport`)."""
+            return f"http://{host_port(self._advertised, self._server.socket.getsockname()[1])}/checkpoint/"
 
     return RestrictedHTTPTransport
 
@@ -112,40 +123,44 @@ def build_manager(
 
     A group of several ranks uses its own process group's store (MASTER_ADDR / MASTER_PORT, as torchrun sets them);
     a group of one process starts a store of its own, advertised under MASTER_ADDR or the host name, which the other
-    groups reach when this group is the quorum's primary.
+    groups reach when this group is the quorum's primary. The group's ports listen on that address only (ports.py).
     """
-    import torch.distributed as dist
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     timeout = timedelta(seconds=settings.timeout_s)
-    if settings.group_world_size > 1:
-        host, port, store = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
+    several = settings.group_world_size > 1
+    host = os.environ["MASTER_ADDR"] if several else os.environ.get("MASTER_ADDR") or socket.gethostname()
+    ip = listen_address(host)  # every port of the group listens there only (ports.py)
+    if several:
+        port, store = int(os.environ["MASTER_PORT"]), None
     else:
-        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        port = store.port
+        store = store_on(ip, host, timeout)
+        port = store[0].port
     group = ProcessGroupNCCL(timeout=timeout) if settings.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+    transport = _transport_class()(timeout, host=host, ip=ip)
     try:
-        manager = Manager(
-            pg=group,
-            load_state_dict=load_state_dict,
-            state_dict=state_dict,
-            min_replica_size=settings.min_replica_size,
-            use_async_quorum=False,
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
-            connect_timeout=timeout,
-            rank=settings.group_rank,
-            world_size=settings.group_world_size,
-            store_addr=host,
-            store_port=port,
-            lighthouse_addr=settings.lighthouse,
-            replica_id=torchft_replica_id(settings.replica_id),
-            heartbeat_interval=timedelta(seconds=settings.heartbeat_interval_s),
-            checkpoint_transport=_transport_class()(timeout=timeout, num_chunks=0),
-            init_sync=True,
-        )
+        with manager_server_on(ip):
+            manager = Manager(
+                pg=group,
+                load_state_dict=load_state_dict,
+                state_dict=state_dict,
+                min_replica_size=settings.min_replica_size,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=settings.group_rank,
+                world_size=settings.group_world_size,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=settings.lighthouse,
+                replica_id=torchft_replica_id(settings.replica_id),
+                hostname=host,  # advertised to the lighthouse and the other groups: the address it listens on
+                heartbeat_interval=timedelta(seconds=settings.heartbeat_interval_s),
+                checkpoint_transport=transport,
+                init_sync=True,
+            )
     except Exception as error:
         raise QuorumError(
             f"replica group {settings.replica_id} could not reach the lighthouse at {settings.lighthouse} "

@@ -211,7 +211,7 @@ class Foreign:
 
 @pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 def test_a_heal_takes_tensors_and_plain_data_only_and_owns_its_tensors():
-    transport = _transport_class()(timeout=timedelta(seconds=10), num_chunks=0)
+    transport = _transport_class()(timedelta(seconds=10), host="127.0.0.1", ip="127.0.0.1")
     try:
         state = {"model": {"w": torch.ones(3)}, "state": {"global_step": 7, "results": {"7": {"val": {"loss": 0.5}}}}}
         transport.send_checkpoint(dst_ranks=[1], step=7, state_dict=state, timeout=timedelta(seconds=10))

@@ -1,0 +1,95 @@
+"""Where a replica group listens: on the address it advertises to the other groups, never on every interface.
+
+A group's rank 0 opens three ports: torchft's ManagerServer (the group's ranks ask it for the quorum; the lighthouse
+sends it the dashboard's kill), the TCPStore of a one-process group (the quorum's other groups connect to the
+primary's store), and the HTTP server a healing group downloads the full training state from. torchft binds the first
+and the last to every interface (`[::]`, `""`) and advertises the machine's host name; torch's TCPStore listens on
+every interface too. perdure binds each to the one address the group advertises (MASTER_ADDR, else the host name,
+resolved): a group on 127.0.0.1 is reachable from this machine only, and a group on a cluster's interface is not
+also reachable on every other one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from perdure.errors import PerdureError
+
+
+def listen_address(host: str) -> str:
+    """The IP address `host` (the address the group advertises) resolves to: what its ports bind to."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise PerdureError(
+            f"replica group address {host!r} does not resolve ({error.strerror}): set MASTER_ADDR to this machine's "
+            "address on the network the groups share (127.0.0.1 when they all run here)"
+        ) from None
+    return infos[0][4][0]
+
+
+def host_port(ip: str, port: int) -> str:
+    """`ip:port`, with an IPv6 address in brackets."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def listening_socket(ip: str) -> socket.socket:
+    """A TCP socket listening on (ip, a free port)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((ip, 0))
+    sock.listen(1024)
+    return sock
+
+
+def store_on(ip: str, host: str, timeout: timedelta) -> tuple[Any, socket.socket]:
+    """(the master TCPStore of a one-process group listening on `ip` only, its socket: keep both alive)."""
+    import torch.distributed as dist
+
+    sock = listening_socket(ip)
+    store = dist.TCPStore(
+        host, sock.getsockname()[1], is_master=True, wait_for_workers=False, timeout=timeout,
+        master_listen_fd=sock.fileno(),
+    )  # fmt: skip
+    return store, sock
+
+
+@contextlib.contextmanager
+def manager_server_on(ip: str) -> Iterator[None]:
+    """While torchft's `Manager` is built: its ManagerServer binds to `ip` (torchft hard-codes `[::]:<port>` and has
+    no setting for it; only the port, `TORCHFT_MANAGER_PORT`, is kept)."""
+    import torchft.manager as module
+
+    server_class = module.ManagerServer
+
+    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
+        return server_class(*args, bind=host_port(ip, int(bind.rsplit(":", 1)[1])), **kwargs)
+
+    module.ManagerServer = bound
+    try:
+        yield
+    finally:
+        module.ManagerServer = server_class
+
+
+def rebind_transport(transport: Any, ip: str) -> None:
+    """Move the HTTP server of a torchft `HTTPTransport` (bound to every interface when it was made, before any state
+    was offered) to `ip`."""
+    handler = transport._server.RequestHandlerClass
+    transport._server.shutdown()
+    transport._thread.join()
+    transport._server.server_close()
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        request_queue_size = 1024
+
+    transport._server = Server((ip, 0), handler)
+    transport._thread = threading.Thread(target=transport._serve, daemon=True)
+    transport._thread.start()
