@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.errors import RunStuckError
+from perdure.wording import counted
 from perdure.workspace.sidecar import SIDECAR_NAME, SidecarError, read_sidecar
 
 STUCK_EXIT = 93
@@ -67,7 +68,7 @@ def refuse_if_stuck(
         return
     where = f"step {resume_step}" if resume_step else "the start"
     reason = (
-        f"{len(stalled)} attempts in a row ended without a checkpoint beyond {where} "
+        f"{counted(len(stalled), 'attempt')} in a row ended without a checkpoint beyond {where} "
         f"(resilience.max_attempts_without_progress={limit})"
     )
     logger.error("run %s is stuck: %s; not training again. Its attempts:", run_dir, reason)

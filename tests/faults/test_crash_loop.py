@@ -11,7 +11,7 @@ import pytest
 from perdure.cli.main import main as perdure_cli
 from perdure.registry import Registry
 from perdure.workspace.sidecar import read_sidecar
-from tests.runs import LAUNCH_DEFAULTS, SCRIPTS, run, run_dir
+from tests.runs import LAUNCH_DEFAULTS, SCRIPTS, run, run_dir, run_ranks
 from tests.sweeps import rows, sweep, write_matrix
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,3 +78,13 @@ def test_a_sweep_never_requeues_a_stuck_job_and_retry_lets_it_try_again(tmp_path
     # counted from the retry: one attempt without progress, so the next launch may still try
     assert run("resumable.py", tmp_path / "runs", *ARGS, **BUG).returncode == 1
     assert run("resumable.py", tmp_path / "runs", *ARGS, **BUG).returncode == 93
+
+
+def test_every_rank_of_a_stuck_run_exits_93(tmp_path):
+    args = ("--steps", "20", "--ckpt.interval", "10", "--resilience.max_attempts_without_progress", "1")
+    failed = run_ranks(2, "resumable.py", tmp_path, *args, RAISE_AT_STEP="5")
+    assert [result.returncode for result in failed] == [1, 1], failed[0].stdout
+    stuck = run_ranks(2, "resumable.py", tmp_path, *args, RAISE_AT_STEP="5")
+    assert [result.returncode for result in stuck] == [93, 93], stuck[0].stdout + stuck[1].stdout
+    assert "is stuck: 1 attempt in a row ended without a checkpoint beyond the start" in stuck[0].stdout
+    assert read_sidecar(run_dir(tmp_path) / "sidecar.json")["status"] == "stuck"
