@@ -24,6 +24,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import math
 import os
 import socket
 import statistics
@@ -160,11 +161,22 @@ class HangWatch:
     """One rank's hang watch. Inert until `start` (and for good with `limit` 0): a runner built only to evaluate or
     look at a run notes phases for nothing and writes nothing."""
 
-    def __init__(self, run_dir: Path, state: RunnerState, *, rank: int, world_size: int, limit: float, group: str):
+    def __init__(
+        self,
+        run_dir: Path,
+        state: RunnerState,
+        *,
+        rank: int,
+        world_size: int,
+        limit: float,
+        group: str,
+        dist_timeout: float = math.inf,
+    ):
         self.run_dir = Path(run_dir)
         self.state = state
         self.rank, self.world_size = rank, world_size
         self.limit = float(limit)
+        self.dist_timeout = float(dist_timeout)
         self.group = group  # "" or "replica-<id>-": TorchFT groups share the run directory
         # A heartbeat is rewritten within `TICK_SECONDS` of a change of phase, and every `period` s anyway (when the
         # thread also checks for a hang); a rank whose heartbeat is `stale_after` s old no longer runs Python.
@@ -196,6 +208,7 @@ class HangWatch:
             world_size=runner.world_size,
             limit=config.dist.step_timeout,
             group=group,
+            dist_timeout=config.dist.timeout,
         )
 
     # ---- the loop's side: notes in memory ------------------------------------------------------------------------
@@ -206,6 +219,13 @@ class HangWatch:
         if self.limit <= 0 or self.active:
             return
         self.attempt, self._on_hang = attempt, on_hang
+        if self.rank == 0 and self.world_size > 1 and self.limit >= self.dist_timeout:
+            logger.warning(
+                "dist.step_timeout (%g s) is not below dist.timeout (%g s): a rank that hangs is ended by the "
+                "collective timeout first, which names nobody; lower dist.step_timeout (docs/resilience.md)",
+                self.limit,
+                self.dist_timeout,
+            )
         self._start_step = self.state.global_step
         self._mark = ("setup", self.state.global_step, time.time())
         self._writer = HeartbeatWriter(heartbeat_path(self.run_dir, self.group, self.rank))

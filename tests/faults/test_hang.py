@@ -28,6 +28,8 @@ from tests.runs import (
     run_dir,
     run_ranks,
     skip_unless_ranks_fit,
+    start,
+    wait_for,
 )
 
 ARGS = ("--steps", "60", "--ckpt.interval", "10", "--log.interval", "10")
@@ -120,6 +122,34 @@ def test_an_evaluation_longer_than_the_limit_is_not_a_hang(tmp_path):
     assert_all_ok(results)
     assert "finished at step 20" in results[0].stdout
     assert not any(" hung in " in result.stdout for result in results)
+
+
+@pytest.mark.timeout(120)
+def test_one_process_stuck_in_a_step_exits_hung_with_its_stacks(tmp_path):
+    """A process that is alive but does not finish its step (here a step that sleeps 120 s; a deadlocked DataLoader
+    worker or a hung read looks the same) names itself and exits 92 once the limit passes."""
+    gate = tmp_path / "slow"
+    process = start(
+        "resumable.py", tmp_path, "--steps", "100000", "--ckpt.interval", "10", "--dist.step_timeout", "2",
+        STEP_SLEEP="120", SLOW_WHILE=str(gate),
+    )  # fmt: skip
+    try:
+        wait_for(process, tmp_path, "*/*/checkpoints/ckpt-s000000000010")
+        gate.touch()
+        at = time.monotonic()
+        output, _ = process.communicate(timeout=60)
+        took = time.monotonic() - at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == HUNG_EXIT_CODE, output
+    assert took < 15, f"{took:.0f} s"
+    (line,) = [line for line in output.splitlines() if " hung in " in line]
+    assert "rank 0 (" in line and "hung in training_step" in line and "its process is alive" in line, line
+    run = run_dir(tmp_path)
+    assert json.loads((run / "sidecar.json").read_text())["attempts"][-1]["status"] == "hung"
+    (hang,) = (run / "hangs").iterdir()
+    assert "in train_step" in (hang / "rank-0.txt").read_text()  # the frame it sleeps in
 
 
 def beat(rank: int, phase: str, step: int, since: float, beat: float, armed: bool = True) -> RankBeat:
