@@ -193,6 +193,30 @@ def test_continue_unfinished_false_starts_a_separate_run(repo, tmp_path):
     assert str(stopped) in named and "This start is a new run" in named
 
 
+def test_the_live_unfinished_run_of_other_code_is_not_trained_twice(repo, tmp_path):
+    root = tmp_path / "runs"
+    slow = tmp_path / "slow"
+    slow.touch()
+    command = [sys.executable, str(repo / "train.py"), "--workspace.root", str(root), *ARGS]
+    live = zygote.popen(command, env=environment(STEP_SLEEP="0.1", SLOW_WHILE=str(slow)), stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        while not list(root.glob("*/*/checkpoints/ckpt-s000000000010/manifest.json")):
+            assert live.poll() is None, live.stdout.read()
+            time.sleep(0.01)
+        commit_something(repo)
+        second = train(repo, root)  # the same command while the run it would continue trains
+        assert second.returncode == 1, second.stdout
+        assert "This launch found no checkpoint under its own code's name" in second.stderr
+        assert "rerun with --workspace.continue_unfinished false" in second.stderr
+        assert_ok(train(repo, root, "--steps", "5", "--workspace.continue_unfinished", "false"))
+    finally:
+        slow.unlink()
+        output, _ = live.communicate(timeout=120)
+    assert live.returncode == 0, output
+    assert len(run_dirs(root)) == 2
+
+
 def test_a_start_from_a_checkpoint_of_the_unfinished_run_branches_a_new_run(repo, tmp_path):
     root = tmp_path / "runs"
     train_until_sigterm(repo, root)

@@ -26,7 +26,7 @@ from perdure.errors import ConfigError, PerdureError, RunStuckError, WorkspaceEr
 from perdure.loggers.console import attach_log_file, detach_log_file
 from perdure.resilience.crash_loop import STUCK_EXIT, is_retry, refuse_if_stuck
 from perdure.resilience.hang_watch import HangVerdict
-from perdure.resilience.run_lock import LOCK_NAME, RunLock
+from perdure.resilience.run_lock import LOCK_NAME, RunLock, RunLockedError
 from perdure.runners.export import read_weights
 from perdure.workspace.identity import canonical_config
 from perdure.workspace.launch import record_launch
@@ -66,7 +66,16 @@ class AttemptMixin:
                 # An existing run is locked at once, so a second launch of a live run fails before building anything;
                 # quietly (no holder info written): a runner built only to look at the run changes no byte of it.
                 self.run_lock = self._new_run_lock()
-                self.run_lock.acquire(announce=False)
+                try:
+                    self.run_lock.acquire(announce=False)
+                except RunLockedError as error:
+                    if run_dir.unfinished is None:
+                        raise
+                    raise PerdureError(
+                        f"{error}. This launch found no checkpoint under its own code's name and continues that "
+                        f"unfinished run of code {run_dir.code_id}: to start a separate run beside it, rerun with "
+                        "--workspace.continue_unfinished false"
+                    ) from None
             self.checkpoints = self._checkpoint_manager()
             source = choose_restore_source(
                 self.checkpoints.resolve(),
