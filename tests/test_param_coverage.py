@@ -18,27 +18,28 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from perdure.errors import ConfigError
 from perdure.runners.param_coverage import check_parameter_coverage
 from perdure.runners.rebind import parameter_slots, rebuild_optimizer
-from tests.runs import assert_ok, final_weights, run
+from tests.runs import assert_all_ok, final_weights, run, run_ranks
 
-CASES = {
-    "torch, the program wraps": ("user", ("--stack", "torch")),
-    "parallel, the runner's apply_activation_checkpointing wraps": ("override", ("--stack", "parallel")),
-    "parallel, the program wraps and perdure checkpoints too": (
+CASES = {  # who wraps, ranks, arguments
+    "DDP, the program wraps": ("user", 2, ("--stack", "torch")),
+    "parallel, the runner's apply_activation_checkpointing wraps": ("override", 1, ("--stack", "parallel")),
+    "parallel fsdp 2, the program wraps and perdure checkpoints too": (
         "user",
-        ("--stack", "parallel", "--parallel.activation_checkpointing", "true"),
+        2,
+        ("--stack", "parallel", "--parallel.axes.shard", "2", "--parallel.activation_checkpointing", "true"),
     ),
-    "deepspeed ZeRO-3, the program wraps": ("user", ("--stack", "deepspeed", "--deepspeed.zero_stage", "3")),
+    "deepspeed ZeRO-3, the program wraps": ("user", 1, ("--stack", "deepspeed", "--deepspeed.zero_stage", "3")),
 }
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES)
 def test_blocks_wrapped_in_checkpoint_wrapper_train_every_tensor(tmp_path, case):
-    wrap, args = CASES[case]
+    wrap, ranks, args = CASES[case]
     initial = tmp_path / "initial.pth"
     root = tmp_path / "runs"
-    result = run("wrapped_blocks.py", root, *args, WRAP_BLOCKS=wrap, INITIAL_WEIGHTS=initial, DS_ACCELERATOR="cpu")
-    assert_ok(result)
+    env = {"WRAP_BLOCKS": wrap, "INITIAL_WEIGHTS": initial, "DS_ACCELERATOR": "cpu"}
+    assert_all_ok(run_ranks(ranks, "wrapped_blocks.py", root, *args, timeout=150, **env))
     before = torch.load(initial)
     after = final_weights(root)
     assert sorted(after) == sorted(before)

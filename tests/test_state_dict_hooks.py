@@ -14,14 +14,14 @@ import shutil
 
 import pytest
 
-from tests.runs import assert_ok, assert_same_weights, final_weights, run, run_dir
+from tests.runs import assert_all_ok, assert_ok, assert_same_weights, final_weights, run, run_dir, run_ranks
 
 ARGS = ("--steps", "8", "--ckpt.interval", "3", "--log.interval", "1")
-BACKENDS = {
-    "file": ("--stack", "torch"),
-    "dcp": ("--stack", "torch", "--ckpt.backend", "dcp"),
-    "parallel": ("--stack", "parallel"),
-    "deepspeed": ("--stack", "deepspeed", "--deepspeed.zero_stage", "3"),
+BACKENDS = {  # ranks, arguments
+    "file": (1, ("--stack", "torch")),
+    "dcp": (1, ("--stack", "torch", "--ckpt.backend", "dcp")),
+    "parallel fsdp 2": (2, ("--stack", "parallel", "--parallel.axes.shard", "2")),
+    "deepspeed": (1, ("--stack", "deepspeed", "--deepspeed.zero_stage", "3")),
 }
 ENV = {"DS_ACCELERATOR": "cpu"}
 
@@ -29,23 +29,25 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_fused_qkv_model_with_state_dict_hooks_resumes_bit_for_bit_and_exports(tmp_path, backend):
-    args = (*ARGS, *BACKENDS[backend])
+    ranks, args = BACKENDS[backend]
+    args = (*ARGS, *args)
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    assert_ok(run("fused_qkv.py", reference, *args, **ENV))
-    killed = run("fused_qkv.py", resumed, *args, KILL_AT_STEP="7", **ENV)
-    assert killed.returncode == -9, killed.stdout + killed.stderr
+    assert_all_ok(run_ranks(ranks, "fused_qkv.py", reference, *args, timeout=200, **ENV))
+    killed = run_ranks(ranks, "fused_qkv.py", resumed, *args, timeout=200, KILL_AT_STEP="7", **ENV)
+    assert all(result.returncode == -9 for result in killed), killed[0].stdout
     assert (run_dir(resumed) / "checkpoints" / "ckpt-s000000000006").is_dir()
-    rerun = run("fused_qkv.py", resumed, *args, **ENV)
+    (rerun, *_) = run_ranks(ranks, "fused_qkv.py", resumed, *args, timeout=200, **ENV)
     assert_ok(rerun)
     assert re.search(r"resuming from \S*ckpt-s000000000006", rerun.stdout + rerun.stderr)
     expected = final_weights(reference)
     assert {"layers.0.attn.wq.weight", "layers.0.attn.wv.bias"} <= set(expected)
     assert not any("wqkv" in key for key in expected)
     assert_same_weights(final_weights(resumed), expected)
-    if backend == "parallel":  # the export loads into the sharded model through the hooks
+    if ranks > 1:  # the export loads into the sharded model through the hooks
         export = tmp_path / "model.pth"
         shutil.copy(run_dir(reference) / "model.pth", export)
-        assert_ok(run("fused_qkv.py", tmp_path / "pretrained", *args, "--steps", "1", "--pretrained", str(export)))
+        pretrained = ("--steps", "1", "--pretrained", str(export))
+        assert_all_ok(run_ranks(ranks, "fused_qkv.py", tmp_path / "pretrained", *args, *pretrained, timeout=200))
 
 
 def attempt_log(root) -> str:
