@@ -10,6 +10,7 @@ import pytest
 
 from perdure.cli.main import main as perdure_cli
 from perdure.registry import Registry
+from perdure.resilience.crash_loop import attempts_without_progress
 from perdure.workspace.sidecar import read_sidecar
 from tests.runs import LAUNCH_DEFAULTS, SCRIPTS, run, run_dir, run_ranks
 from tests.sweeps import rows, sweep, write_matrix
@@ -88,3 +89,19 @@ def test_every_rank_of_a_stuck_run_exits_93(tmp_path):
     assert [result.returncode for result in stuck] == [93, 93], stuck[0].stdout + stuck[1].stdout
     assert "is stuck: 1 attempt in a row ended without a checkpoint beyond the start" in stuck[0].stdout
     assert read_sidecar(run_dir(tmp_path) / "sidecar.json")["status"] == "stuck"
+
+
+def test_what_counts_as_an_attempt_without_progress():
+    def attempt(status, step, **extra):
+        return {"status": status, "resumed_step": step, **extra}
+
+    hung, killed, failed = attempt("hung", 10), attempt("interrupted", 10), attempt("failed", 10)
+    # an attempt that started from an older checkpoint committed the one this launch resumes from: progress
+    assert attempts_without_progress([attempt("failed", 0), hung, killed, failed], 10) == [hung, killed, failed]
+    # a preemption saved where it stopped, a completed attempt reached its budget: the count starts after them
+    assert attempts_without_progress([failed, attempt("preempted", 10), killed], 10) == [killed]
+    assert attempts_without_progress([failed, attempt("completed", 10)], 10) == []
+    # an attempt that never recorded its end (killed) counts; the first attempt of a retry is the last one counted
+    running, retried = attempt("running", 10), attempt("failed", 10, retry=True)
+    assert attempts_without_progress([failed, retried, running], 10) == [retried, running]
+    assert attempts_without_progress([failed, failed], 20) == []  # this launch resumes from a newer checkpoint
