@@ -228,7 +228,11 @@ class HangWatch:
             )
         self._start_step = self.state.global_step
         self._mark = ("setup", self.state.global_step, time.time())
-        self._writer = HeartbeatWriter(heartbeat_path(self.run_dir, self.group, self.rank))
+        try:
+            self._writer = HeartbeatWriter(heartbeat_path(self.run_dir, self.group, self.rank))
+        except OSError as error:  # the heartbeat only watches the training: it never stops it
+            logger.warning("the hang watch of rank %d is off for this attempt: %s", self.rank, error)
+            return
         self.active = True
         self._publish()
         self._thread = threading.Thread(target=self._run, name="perdure-hang-watch", daemon=True)
@@ -365,6 +369,7 @@ class HangWatch:
 
     def _declare(self, verdict: HangVerdict) -> HangVerdict | None:
         """Publish `verdict` unless another rank did first (then that one holds)."""
+        ensure_dir(self.hang_dir.parent)  # each level checked: a symlinked `hangs` is refused, never followed
         ensure_dir(self.hang_dir)
         target = self.hang_dir / VERDICT_NAME
         temporary = temporary_name(target)

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from perdure.resilience.hang_watch import HUNG_EXIT_CODE, find_hang
+from perdure.errors import UnsafeFileError
+from perdure.resilience.hang_watch import HUNG_EXIT_CODE, HangVerdict, HangWatch, find_hang
 from perdure.resilience.rank_heartbeat import RankBeat
+from perdure.runners.state import RunnerState
 from tests import zygote
 from tests.runs import (
     LAUNCH_DEFAULTS,
@@ -182,3 +184,26 @@ def test_a_heartbeat_record_round_trips_and_a_torn_one_reads_as_none():
     assert RankBeat.decode(record.encode()) == record and len(record.encode()) == 512
     assert RankBeat.decode(record.encode()[:100]) is None
     assert RankBeat.decode(b'{"rank": 1}') is None
+
+
+def test_the_watch_never_writes_through_a_symlink(tmp_path, caplog):
+    """A run directory may come from someone else: a symlinked `heartbeats` turns the watch off for the attempt (a
+    warning, training goes on) and a symlinked `hangs` is refused; nothing is written where they point."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "heartbeats").symlink_to(elsewhere)
+    watch = HangWatch(run, RunnerState(), rank=0, world_size=1, limit=10, group="")
+    watch.start("a", on_hang=lambda verdict: None)
+    assert not watch.active and "hang watch of rank 0 is off" in caplog.text
+    (run / "heartbeats").unlink()
+    (run / "hangs").symlink_to(elsewhere)
+    watch.start("a", on_hang=lambda verdict: None)
+    try:
+        assert watch.active and (run / "heartbeats" / "rank-0.json").is_file()
+        with pytest.raises(UnsafeFileError):
+            watch._declare(HangVerdict("a", "rank 0 hung", 0, (0,), ()))
+    finally:
+        watch.stop()
+    assert not any(elsewhere.iterdir())
