@@ -20,6 +20,7 @@ import yaml
 from typing_extensions import Self
 
 from perdure import config_help, config_text
+from perdure.checkpoints.mirror import check_mirror_url
 from perdure.config_checks import (
     check_bool,
     check_choice,
@@ -93,6 +94,7 @@ _COUNTS: dict[str, tuple[int, bool]] = {
     "ckpt.interval": (1, True),
     "ckpt.interval_steps": (1, True),
     "ckpt.keep_latest_k": (0, False),
+    "ckpt.mirror_every": (1, False),
     "sched.warmup_steps": (0, False),
     "sched.total_steps": (1, True),
     "score.patience": (0, False),
@@ -156,6 +158,9 @@ class RunnerConfig(chanfig.Config):
         self.ckpt.on_error = "warn"  # a failed periodic save: warn and train on, or raise
         self.ckpt.hang_warning_s = 300.0  # warn when a save writes nothing for this long (a hung filesystem); 0: never
         self.ckpt.export_format = ["pth"]  # what the final export writes: pth and / or safetensors
+        self.ckpt.mirror = None  # object-store URL (s3://bucket/prefix) each committed checkpoint is uploaded to
+        self.ckpt.mirror_every = 1  # upload every N-th committed checkpoint (final and preemption ones always)
+        self.ckpt.mirror_drain_s = 600.0  # when training ends, wait at most this long for uploads still in flight
         self.optim.name = "adamw"  # the default optimizer: adamw, adam, sgd (unless you assign self.optimizer)
         self.optim.lr = 1e-3  # learning rate
         self.optim.weight_decay = 0.0  # weight decay
@@ -423,6 +428,8 @@ class RunnerConfig(chanfig.Config):
             check_path(key, get(key))
         check_number("max_grad_norm", get("max_grad_norm"), "a number >= 0 (0: no clipping)", lambda x: x >= 0, True)
         check_number("ckpt.hang_warning_s", get("ckpt.hang_warning_s"), "seconds >= 0 (0: never)", lambda x: x >= 0)
+        check_number("ckpt.mirror_drain_s", get("ckpt.mirror_drain_s"), "seconds >= 0", lambda x: x >= 0)
+        check_mirror_url("ckpt.mirror", get("ckpt.mirror"))
         check_number("perf.peak_flops", get("perf.peak_flops"), "None or FLOP/s > 0", lambda x: x > 0, True)
         backend = get("compile.backend")
         if not isinstance(backend, str) or not backend:

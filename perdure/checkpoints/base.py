@@ -25,6 +25,8 @@ from perdure.checkpoints.commit import (
     write_pointer,
 )
 from perdure.checkpoints.gather import gather_records, publish_records
+from perdure.checkpoints.mirror import MirrorFailure, MirrorUploader
+from perdure.checkpoints.mirror_restore import restore_newest
 from perdure.checkpoints.resolve import CheckpointInfo, Resolution, committed_checkpoints, find_latest, report
 from perdure.checkpoints.resolve import repair as repair_checkpoints
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
@@ -126,6 +128,7 @@ class CheckpointManager(ABC):
         self._saves = 0
         self.quarantined: list[str] = []
         self.resolution: Resolution | None = None  # what `resolve` found, for `repair`
+        self.mirror: MirrorUploader | None = None  # `ckpt.mirror`, on rank 0 of a training runner (mirror.py)
 
     # ---- what the runner calls -------------------------------------------------------------------------------
 
@@ -133,9 +136,11 @@ class CheckpointManager(ABC):
         """The newest checkpoint of this run that verifies. Reads only: what is wrong (bad checkpoints, staging
         leftovers, pointers) is reported now and fixed by `repair` when training starts."""
         refuse_symlinked_dir(self.root)  # the repair and every save write here: never through a symlink
-        if not self.root.is_dir():
+        if not self.root.is_dir() and self.mirror is None:
             return None
         self.resolution = find_latest(self.root)
+        if self.resolution.chosen is None and self.mirror is not None and restore_newest(self.mirror.store, self.root):
+            self.resolution = find_latest(self.root)  # no usable local checkpoint: the mirror's newest that verifies
         fate = "left in place (moved to quarantine when training starts)" if self.policy.enabled else "skipped"
         report(self.resolution, logger.warning, default_fate=fate)
         quarantine_dir = self.root / QUARANTINE_DIR
@@ -276,6 +281,7 @@ class CheckpointManager(ABC):
             raise save_failure(error, name=job.name, root=self.root, needed=job.nbytes) from error
         finally:
             self.watch.end(job.name)
+        self._mirror([SaveOutcome(job.name, str(job.meta.get("reason")), 0.0)])
 
     def snapshot_states(
         self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
@@ -360,14 +366,26 @@ class CheckpointManager(ABC):
 
     def take_outcomes(self) -> list[SaveOutcome]:
         """Background saves finished since the last call (failures carry their error)."""
-        return self._saver.take_outcomes() if self._saver is not None else []
+        return self._mirror(self._saver.take_outcomes()) if self._saver is not None else []
+
+    def _mirror(self, outcomes: list[SaveOutcome]) -> list[SaveOutcome]:
+        """Hand each checkpoint committed locally to the mirror's uploader (it returns at once); return `outcomes`."""
+        if self.mirror is not None:
+            for outcome in outcomes:
+                if outcome.error is None:
+                    self.mirror.committed(outcome.name, outcome.reason, protected=(self.resumed_from,))
+        return outcomes
+
+    def mirror_failures(self) -> list[MirrorFailure]:
+        """Uploads to the mirror that failed since the last call: the runner records them like failed saves."""
+        return self.mirror.take_failures() if self.mirror is not None else []
 
     def drain(self) -> list[SaveOutcome]:
         """Wait for every queued save; return the outcomes not yet taken."""
         if self._saver is None:
             return []
         self._saver.drain()
-        return self._saver.take_outcomes()
+        return self._mirror(self._saver.take_outcomes())
 
     def start(self) -> None:
         """Called when training starts: an async manager starts its background writer (and process) now."""
@@ -386,6 +404,7 @@ class CheckpointManager(ABC):
         state["_saver"] = None
         state["resolution"] = None
         state["watch"] = None  # the training process watches the saves
+        state["mirror"] = None  # and uploads to the mirror
         return state
 
     def load(self, info: CheckpointInfo, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]) -> bool:
@@ -453,6 +472,8 @@ class CheckpointManager(ABC):
             return []
         protected = set(protected) | {read_pointer(self.root, "latest"), read_pointer(self.root, "best")}
         protected |= {self.resumed_from, self.last_saved}
+        if self.mirror is not None:
+            protected |= self.mirror.pending()  # not uploaded yet
         removed = []
         for path in committed_checkpoints(self.root)[keep:]:
             if path.name in protected:
@@ -466,12 +487,15 @@ class CheckpointManager(ABC):
         return removed
 
     def close(self) -> list[SaveOutcome]:
-        """Wait for every save in flight and stop the background writer; return the outcomes not yet taken."""
-        if self._saver is None:
-            return []
-        outcomes = self.drain()
-        self._saver.close()
-        self._saver = None
+        """Wait for every save in flight and stop the background writer, then for the mirror's uploads (at most
+        `ckpt.mirror_drain_s`); return the outcomes not yet taken."""
+        outcomes = []
+        if self._saver is not None:
+            outcomes = self.drain()
+            self._saver.close()
+            self._saver = None
+        if self.mirror is not None:
+            self.mirror.close()
         return outcomes
 
     # ---- what a backend implements ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from perdure.safe_io import (
     escape_terminal,
     is_symlink,
     kind_of,
+    loads_json,
     open_regular,
     read_json,
     read_regular,
@@ -295,6 +296,22 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} unreadable: {exc}") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, nested too deeply
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} is not valid JSON: {exc}") from None
+    return check_manifest(manifest, ckpt_dir)
+
+
+def parse_manifest(data: bytes, where: object) -> dict[str, Any]:
+    """`read_manifest` for manifest bytes read from elsewhere (a mirror's object): bounded, then checked alike."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(where, f"{MANIFEST_NAME} is larger than {MAX_MANIFEST_BYTES:,} bytes")
+    try:
+        manifest = loads_json(data)
+    except ValueError as exc:
+        raise CheckpointCorruptError(where, f"{MANIFEST_NAME} is not valid JSON: {exc}") from None
+    return check_manifest(manifest, where)
+
+
+def check_manifest(manifest: Any, ckpt_dir: object) -> dict[str, Any]:
+    """The structural checks of a parsed manifest (format, fields and their types, safe file keys)."""
     if not isinstance(manifest, dict):
         raise CheckpointCorruptError(ckpt_dir, f"{MANIFEST_NAME} is not a JSON object")
     if (fmt := manifest.get("format")) != MANIFEST_FORMAT:

@@ -19,6 +19,7 @@ from perdure.data.iterable import EpochAware, as_dataset, is_stateful
 from perdure.data.sample_seeds import SeededBatches, SeededStream
 from perdure.data.sampler import PERMUTATIONS, ResumableSampler
 from perdure.errors import CheckpointError
+from perdure.resilience.worker_signals import leave_signals_to_parent, preemption_signals_blocked
 from perdure.safe_io import safe_name
 
 # torchdata 0.11 calls a deprecated torch API each time an iterator is created; it is not the user's concern.
@@ -91,6 +92,7 @@ class ResumableLoader:
             pin_memory=pin_memory,
             generator=self.generator,
             collate_fn=collate_fn,
+            worker_init_fn=leave_signals_to_parent if num_workers > 0 else None,  # the training process decides
         )
         self._iterable_state: dict[str, Any] | None = None
         # Samples of each batch yielded, not yet taken; bounded for a caller that reads batches and never takes them.
@@ -129,7 +131,9 @@ class ResumableLoader:
             self.loader.load_state_dict(self._iterable_state)
             self._iterable_state = None
         self._yielded.clear()
-        return self._counted(iter(self.loader), self._batch_sizes())
+        with preemption_signals_blocked():  # workers start here: see perdure.resilience.worker_signals
+            batches = iter(self.loader)
+        return self._counted(batches, self._batch_sizes())
 
     def _batch_sizes(self) -> Iterator[int] | None:
         """The sizes of the batches the epoch just set yields this rank, as torch's batch sampler cuts its indices;

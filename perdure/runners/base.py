@@ -32,6 +32,7 @@ from torch import nn
 
 from perdure.checkpoints.async_save import WRITER_PROCESS_NAME
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy, Stateful
+from perdure.checkpoints.mirror import mirror_for_run
 from perdure.checkpoints.select import manager_class as select_manager_class
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
@@ -164,7 +165,7 @@ class BaseRunner(
         Its class is `checkpoint_manager_class` when a runner class sets one, else the one `ckpt.backend` selects.
         """
         manager_class = self.checkpoint_manager_class or select_manager_class(self.config.ckpt.backend, self.world_size)
-        return manager_class(
+        manager = manager_class(
             self.run_dir.checkpoints,
             CheckpointPolicy.from_config(self.config.ckpt),
             rank=self.rank,
@@ -173,6 +174,9 @@ class BaseRunner(
             token=token,
             timeout_s=self.config.dist.timeout,
         )
+        if self.is_main_process and not self.inspection:  # `ckpt.mirror`: uploads beside training, restores
+            manager.mirror = mirror_for_run(self.config.ckpt, self.run_dir.path, self.run_dir.root)
+        return manager
 
     def __post_init__(self) -> None:
         """Called once after the user's `__init__`: fill in defaults, place the model, build loaders, restore."""

@@ -166,6 +166,9 @@ class CheckpointingMixin:
         return tensors
 
     def _report_saves(self, outcomes: list[SaveOutcome]) -> None:
+        for failure in self.checkpoints.mirror_failures():  # the uploader warned already; recorded like a failed save
+            self.save_failures.append(f"{failure.name} (mirror): {failure.error}")
+            self.telemetry.save_failed(failure.name, f"mirror: {failure.error}")
         for outcome in outcomes:
             if outcome.fatal:
                 raise CheckpointStateError(outcome.error)

@@ -1,0 +1,88 @@
+"""Checkpoints mirrored to object storage (`ckpt.mirror`), against a real S3 server on loopback (tests/s3_store.py):
+a run SIGKILLed during an upload continues from the mirror on an empty disk bit for bit, a corrupt object is skipped,
+`ckpt.keep_latest_k` prunes the mirror, and a store that goes down does not stop training."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+
+from tests.runs import assert_ok, assert_same_weights, built_once, final_weights, run, run_dir, start
+from tests.s3_store import s3_store  # noqa: F401  (the fixture)
+
+# ~1.5 MB checkpoints every 2 steps: an upload is nearly always under way while the run trains.
+ARGS = ("--steps", "20", "--ckpt.interval", "2", "--width", "256", "--depth", "2")
+
+
+def reference(tmp_path_factory):
+    return built_once(tmp_path_factory, "mirror-reference", lambda root: assert_ok(run("resumable.py", root, *ARGS)))
+
+
+def test_sigkill_during_upload_then_empty_disk_resumes_from_mirror(tmp_path, tmp_path_factory, s3_store):
+    root = tmp_path / "run"
+    process = start("resumable.py", root, *ARGS, "--ckpt.mirror", s3_store.url, STEP_SLEEP="0.03", **s3_store.env)
+    deadline = time.monotonic() + 120
+    while not (s3_store.complete() and s3_store.partial()):  # files of a checkpoint uploaded, its manifest not yet
+        assert process.poll() is None, f"the run ended before an upload was caught half-way:\n{process.stdout.read()}"
+        assert time.monotonic() < deadline, "no upload was caught half-way"
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    complete, partial = s3_store.complete(), s3_store.partial()
+    assert partial and partial[-1] > complete[-1], (complete, partial)
+
+    shutil.rmtree(root)  # the requeued job lands on a machine whose disk is empty
+    rerun = run("resumable.py", root, *ARGS, "--ckpt.mirror", s3_store.url, **s3_store.env)
+    assert_ok(rerun)
+    assert f"{partial[-1]} is no checkpoint (no manifest.json object" in rerun.stdout
+    assert f"{complete[-1]} fetched from the mirror" in rerun.stdout
+    assert f"resuming from {run_dir(root)}/checkpoints/{complete[-1]}" in rerun.stdout
+    assert_same_weights(final_weights(reference(tmp_path_factory)), final_weights(root))
+    assert s3_store.complete()[-1] == "ckpt-s000000000020" and not s3_store.partial()
+
+
+def test_keep_latest_k_and_a_flipped_byte_in_the_mirror(tmp_path, tmp_path_factory, s3_store):
+    root = tmp_path / "run"
+    mirror = ("--ckpt.mirror", s3_store.url, "--ckpt.keep_latest_k", "2")
+    assert_ok(run("resumable.py", root, *ARGS, *mirror, **s3_store.env))
+    assert s3_store.pointer("latest") == "ckpt-s000000000020"
+    protected = {s3_store.pointer("best")}  # never pruned, however old
+    complete = s3_store.complete()  # a checkpoint still waiting when a newer one committed was never uploaded
+    newest, older = complete[-1], complete[-2]
+    assert newest == "ckpt-s000000000020" and set(complete) == {older, newest} | protected, complete
+    assert not s3_store.partial()
+
+    key = s3_store.key_of("ckpt-s000000000020", "state.pth")
+    data = bytearray(s3_store.get(key))
+    data[len(data) // 2] ^= 0x01
+    s3_store.put(key, bytes(data))
+    shutil.rmtree(root)
+    rerun = run("resumable.py", root, *ARGS, *mirror, **s3_store.env)
+    assert_ok(rerun)
+    assert "ckpt-s000000000020 failed verification (state.pth: checksum mismatch)" in rerun.stdout
+    assert f"resuming from {run_dir(root)}/checkpoints/{older}" in rerun.stdout
+    assert_same_weights(final_weights(reference(tmp_path_factory)), final_weights(root))
+
+
+def test_store_down_during_training(tmp_path, s3_store):
+    root = tmp_path / "run"
+    args = ("--steps", "40", "--ckpt.interval", "2", "--ckpt.mirror", s3_store.url)
+    process = start("resumable.py", root, *args, STEP_SLEEP="0.15", **s3_store.env)
+    deadline = time.monotonic() + 120
+    while not s3_store.complete():
+        assert process.poll() is None and time.monotonic() < deadline, "nothing was uploaded"
+        time.sleep(0.05)
+    s3_store.stop()
+    down = time.monotonic()
+    before = len(list(root.glob("*/*/checkpoints/ckpt-s*")))
+    # Down for longer than the client's own retries (s3fs: ~2 s): the uploader warns and backs off.
+    while time.monotonic() < down + 4 or len(list(root.glob("*/*/checkpoints/ckpt-s*"))) < before + 3:
+        assert process.poll() is None and time.monotonic() < deadline, "training stopped while the store was down"
+        time.sleep(0.05)
+    s3_store.restart()
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "retrying in" in output and "training goes on" in output, output
+    assert s3_store.complete()[-1] == "ckpt-s000000000040"
+    assert s3_store.pointer("latest") == "ckpt-s000000000040"
