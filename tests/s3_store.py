@@ -29,6 +29,8 @@ class S3Store:
         self.port = free_port()
         self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.server.start()
+        self.running = True
+        self.running = True
         self.env = {
             "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}",
             "AWS_ACCESS_KEY_ID": "perdure-test",
@@ -88,18 +90,12 @@ class S3Store:
         self.client().put_object(Bucket=self.bucket, Key=key, Body=data)
 
     def stop(self) -> None:
-        self.server.stop()
+        if self.running:  # a second shutdown of a stopped server would wait forever
+            self.server.stop()
+            self.running = False
 
     def restart(self) -> None:
         """Serve again on the same port, with the objects stored before."""
         self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.server.start()
-
-
-@pytest.fixture
-def s3_store():
-    store = S3Store()
-    try:
-        yield store
-    finally:
-        store.stop()
+        self.running = True

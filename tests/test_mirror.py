@@ -8,11 +8,20 @@ import shutil
 import signal
 import time
 
+import pytest
+
 from tests.runs import assert_ok, assert_same_weights, built_once, final_weights, run, run_dir, start
-from tests.s3_store import s3_store  # noqa: F401  (the fixture)
+from tests.s3_store import S3Store
 
 # ~1.5 MB checkpoints every 2 steps: an upload is nearly always under way while the run trains.
 ARGS = ("--steps", "20", "--ckpt.interval", "2", "--width", "256", "--depth", "2")
+
+
+@pytest.fixture
+def s3_store():
+    store = S3Store()
+    yield store
+    store.stop()
 
 
 def reference(tmp_path_factory):

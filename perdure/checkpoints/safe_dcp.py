@@ -165,9 +165,9 @@ def read_dcp_metadata(checkpoint: Path, files: dict[str, Any] | None = None) -> 
         raise _refusal(path, error.name) from None
     except BlockedChangeError as error:
         raise CheckpointError(
-            f"refused to load {path}: its pickle {error}. Unpickling it would change perdure's own classes or "
-            "objects for the rest of the process (every later checkpoint), so perdure never does; DCP never writes "
-            "such a pickle, so the file was made by hand."
+            f"refused to load {path}: its pickle {error}. Unpickling it would change a class or object the whole "
+            "process uses (every later checkpoint it writes or reads), so perdure never does; DCP never writes such "
+            "a pickle: the file was made by hand."
         ) from None
     except Exception as error:  # a malformed pickle of allowed classes: any error of their constructors
         raise CheckpointError(f"DCP metadata {path} is malformed ({type(error).__name__}: {error})") from None
