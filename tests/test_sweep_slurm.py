@@ -1,7 +1,8 @@
 """`perdure sweep submit --slurm` on a real one-node SLURM cluster (scripts/slurm-local-cluster.sh), started and
 stopped by this module. One array of 3 training jobs: one task is preempted by a job in a higher-priority
 partition, one is requeued with `scontrol requeue`; all three finish, the two interrupted ones bit-equal to
-uninterrupted runs, with 2 attempts and SLURM_RESTART_COUNT=1 on the second.
+uninterrupted runs, with 2 attempts and SLURM_RESTART_COUNT=1 on the second. A task whose run is stuck in a crash
+loop exits 93 and is not requeued.
 
 Skipped (with the reason) where SLURM is not installed and cannot be (not root, no apt-get), or will not start.
 .ci/run installs the packages, so CI always runs these tests.
@@ -13,13 +14,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from perdure.sweep.slurm import slurm_view
-from tests.runs import REPO, environment
-from tests.sweeps import rows, sidecar, status_json, sweep, training_sweep, wait_for
+from tests.runs import LAUNCH_DEFAULTS, REPO, SCRIPTS, environment, run, run_dir
+from tests.sweeps import rows, sidecar, status_json, sweep, training_sweep, wait_for, write_matrix
 from tests.test_sweep import assert_bit_equal, reference_run
 
 CLUSTER = REPO / "scripts" / "slurm-local-cluster.sh"
@@ -116,3 +119,26 @@ def test_array_with_preemption_and_requeue(slurm, tmp_path, monkeypatch):
         losses = tmp_path / "losses" / f"{row.id}.jsonl"
         assert_bit_equal(rows(sweep_dir)[row.id].run_dir, reference, losses, tmp_path / f"ref-{row.id}.jsonl")
     assert Path(sweep_dir / "logs" / f"{plain}.log").read_text().count("==> ") == 1
+
+
+@pytest.mark.timeout(300)
+def test_an_array_task_never_requeues_a_stuck_run(slurm, tmp_path, monkeypatch):
+    env = slurm
+    args = ("--steps", "30", "--ckpt.interval", "10", "--resilience.max_attempts_without_progress", "2")
+    bug = {"RAISE_AT_STEP": "15"}
+    for _ in range(3):  # launched by hand: the first commits step 10, the next two fail without a new checkpoint
+        assert run("resumable.py", tmp_path / "runs", *args, **bug).returncode == 1
+    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(tmp_path / "runs")]
+    matrix = write_matrix(tmp_path / "m.yaml", [*command, *LAUNCH_DEFAULTS, *args], jobs=[{}], env=bug)
+    assert sweep("init", str(tmp_path / "sw"), str(matrix), env=env).returncode == 0
+    submitted = sweep("submit", str(tmp_path / "sw"), "--slurm", env=env)
+    assert submitted.returncode == 0, submitted.stderr
+
+    (row,) = wait_for(lambda: [r for r in rows(tmp_path / "sw").values() if r.state == "failed"], 180, "the task")
+    assert (row.exit_code, row.attempts) == (93, 1) and "not requeued" in row.note
+    monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
+    time.sleep(2)  # a requeue would show within the task's own epilog
+    ((state, restarts),) = slurm_view([row.slurm_job]).values()
+    assert restarts == 0 and state != "PENDING", state
+    assert "requeueing" not in (tmp_path / "sw" / "slurm" / f"{row.slurm_job}.out").read_text()
+    assert sidecar(row.run_dir or str(run_dir(tmp_path / "runs")))["status"] == "stuck"
