@@ -200,6 +200,7 @@ class RunnerConfig(chanfig.Config):
         self.wandb.entity = None  # W&B entity (user or team)
         self.wandb.mode = "online"  # W&B mode: online, offline, disabled
         self.resilience.exit_code = None  # exit status after a preemption; None: 128 + signal number
+        self.resilience.grace_s = None  # seconds from the stop signal to SIGKILL; None: read from torchrun / SLURM
         self.resilience.max_consecutive_skips = 100  # skipped (non-finite) steps in a row that end the run; None: never
         self.resilience.max_attempts_without_progress = 3  # failed attempts in a row, no new checkpoint: exit 93
         self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
@@ -428,6 +429,7 @@ class RunnerConfig(chanfig.Config):
             check_path(key, get(key))
         check_number("max_grad_norm", get("max_grad_norm"), "a number >= 0 (0: no clipping)", lambda x: x >= 0, True)
         check_number("ckpt.hang_warning_s", get("ckpt.hang_warning_s"), "seconds >= 0 (0: never)", lambda x: x >= 0)
+        check_number("resilience.grace_s", get("resilience.grace_s"), "None or seconds > 0", lambda x: x > 0, True)
         check_number("ckpt.mirror_drain_s", get("ckpt.mirror_drain_s"), "seconds >= 0", lambda x: x >= 0)
         check_mirror_url("ckpt.mirror", get("ckpt.mirror"))
         check_number("perf.peak_flops", get("perf.peak_flops"), "None or FLOP/s > 0", lambda x: x > 0, True)

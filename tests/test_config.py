@@ -380,6 +380,7 @@ def test_split_override_rejects_unknown_option():
         (["--optim.lr", "fast"], "optim.lr"),
         (["--optim.lr"], "optim.lr"),
         (["--optim.betas", "[0.9, 1.5]"], "optim.betas"),
+        (["--resilience.grace_s", "0"], "resilience.grace_s"),
     ],
 )
 def test_bad_input_names_the_key(args, key):

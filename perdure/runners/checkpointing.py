@@ -20,6 +20,7 @@ from perdure.checkpoints.source import RestoreSource
 from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError, PerdureError
 from perdure.loggers.console import get_logger
+from perdure.resilience.grace import GraceCheck, find_grace
 from perdure.resilience.hang_watch import watched_phase
 from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
 from perdure.runners.export import export_weights, read_weights, save_safetensors
@@ -47,6 +48,7 @@ class CheckpointingMixin:
     `BaseRunner` (one concept per file); the bytes and the commit protocol belong to the CheckpointManager."""
 
     _snapshot_buffers_reserved = False  # by the first optimizer step of the attempt
+    _grace: GraceCheck | None = None  # made at the first save: compares it with the grace window (resilience/grace.py)
 
     def checkpoint_states(self) -> dict[str, Stateful]:
         """Replicated objects, in restore order: state, model, EMA, optimizer, scheduler, the stack's extras, then the
@@ -134,6 +136,7 @@ class CheckpointingMixin:
             if self.config.ckpt.async_mode == "disabled":
                 self.logger.info("saved %s (%s) in %.3fs", path.name, reason, seconds)
                 self.telemetry.checkpoint(path.name, seconds=seconds, best=path.name if is_best else None)
+                self._save_took(seconds)
             else:
                 self.logger.info("snapshotted %s (%s) in %.3fs; writing in the background", path.name, reason, seconds)
         return path
@@ -177,8 +180,14 @@ class CheckpointingMixin:
                                  outcome.seconds)  # fmt: skip
                 best = read_pointer(self.run_dir.checkpoints, "best")
                 self.telemetry.checkpoint(outcome.name, seconds=outcome.seconds, best=best, background=True)
+                self._save_took(outcome.seconds)
             else:
                 self._save_failed(outcome.name, outcome.reason, outcome.error)
+
+    def _save_took(self, seconds: float) -> None:
+        if self._grace is None:
+            self._grace = GraceCheck(find_grace(self.config.resilience.grace_s), self.logger)
+        self._grace.saved(seconds)
 
     def _save_failed(self, name: str, reason: str, error: str) -> None:
         """A save failed: always reported; raised for final / preemption saves and with `ckpt.on_error=raise`."""
