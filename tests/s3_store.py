@@ -30,7 +30,6 @@ class S3Store:
         self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.server.start()
         self.running = True
-        self.running = True
         self.env = {
             "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}",
             "AWS_ACCESS_KEY_ID": "perdure-test",
