@@ -22,7 +22,9 @@ pytestmark = pytest.mark.timeout(120)
 def run_written_scripts(sweep_dir, env):
     for script in sorted((sweep_dir / "slurm").glob("*.sh")) if (sweep_dir / "slurm").is_dir() else []:
         task = {**env, "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "4242"}
-        subprocess.run(["bash", str(script)], env=task, cwd=sweep_dir.parent, capture_output=True, timeout=60, check=False)
+        subprocess.run(
+            ["bash", str(script)], env=task, cwd=sweep_dir.parent, capture_output=True, timeout=60, check=False
+        )
 
 
 def test_a_newline_in_the_matrix_workdir_never_becomes_a_command(tmp_path):
