@@ -363,6 +363,8 @@ def test_split_override_rejects_unknown_option():
         (["--dist.timeout", "1e400"], "dist.timeout"),
         (["--max_grad_norm", "inf"], "max_grad_norm"),
         (["--resilience.max_consecutive_skips", "0"], "resilience.max_consecutive_skips"),
+        (["--resilience.max_attempts_without_progress", "0"], "resilience.max_attempts_without_progress"),
+        (["--workspace.continue_unfinished", "maybe"], "workspace.continue_unfinished"),
         (["--stack", "jax"], "stack"),
         (["--precision", "fp8"], "precision"),
         (["--ckpt.backend", "s3"], "ckpt.backend"),
