@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.errors import RunStuckError
+from perdure.safe_io import escape_terminal
 from perdure.wording import counted
 from perdure.workspace.sidecar import SIDECAR_NAME, SidecarError, read_sidecar
 
@@ -75,10 +76,10 @@ def refuse_if_stuck(
     for attempt in stalled:
         logger.error(
             "  %s  %s at step %s: %s",
-            attempt.get("started"),
-            attempt.get("status"),
+            escape_terminal(attempt.get("started")),  # read from disk: escaped for the terminal
+            escape_terminal(attempt.get("status")),
             attempt.get("last_step"),
-            attempt.get("exit_reason") or "no exit recorded",
+            escape_terminal(attempt.get("exit_reason") or "no exit recorded"),
         )
     logger.error(
         "fix the cause, then rerun with a larger --resilience.max_attempts_without_progress (or `perdure sweep retry` "
