@@ -2,7 +2,7 @@
 the whole accumulation window and every data rank divided by the total count of target tokens, as Hugging Face
 Trainer's `num_items_in_batch` makes it. Checked against a hand computation on 2 ranks with accumulation 2 and padded
 variable-length batches; a killed and rerun run ends bit-equal to an uninterrupted one; a runner that does not count
-its tokens is refused before anything is written."""
+its tokens, and TorchFT replica groups (which average with equal weights), are refused before anything is written."""
 
 from __future__ import annotations
 
@@ -112,3 +112,11 @@ def test_tokens_without_loss_tokens_is_refused_before_anything_is_written(tmp_pa
     assert result.returncode != 0
     assert "loss.normalize" in result.stderr and "override loss_tokens(batch)" in result.stderr, result.stderr
     assert not root.exists() or not any(root.rglob("checkpoints"))
+
+
+def test_tokens_under_torchft_replica_groups_is_refused_before_anything_is_written(tmp_path):
+    pytest.importorskip("torchft", reason="the ft extra is not installed")
+    result = run("padded_lm.py", tmp_path, "--ft.enabled", "true", "--ft.lighthouse", "http://127.0.0.1:1")
+    assert result.returncode != 0
+    assert "'loss.normalize' = 'tokens'" in result.stderr and "TorchFT replica groups" in result.stderr, result.stderr
+    assert not any(tmp_path.rglob("checkpoints"))

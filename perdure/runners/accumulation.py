@@ -89,8 +89,17 @@ def window_scale(counts: list[torch.Tensor | int], world_size: int) -> torch.Ten
 
 
 def check_loss_normalization(runner_class: type, config: Any) -> None:
-    """Before anything is written: `loss.normalize=tokens` needs `loss_tokens` overridden."""
-    if config.loss.normalize != "tokens" or runner_class.loss_tokens is not AccumulationMixin.loss_tokens:
+    """Before anything is written: `loss.normalize=tokens` needs `loss_tokens` overridden, and no TorchFT replica
+    groups (they average their gradients with equal weights, whatever tokens each group counted)."""
+    if config.loss.normalize != "tokens":
+        return
+    if config.lookup("ft.enabled", False):
+        fix = (
+            "TorchFT replica groups average their gradients with equal weights, so each group's tokens would weigh "
+            "by its own count, not the job's; use mean"
+        )
+        raise ConfigError(KEY, "tokens", fix)
+    if runner_class.loss_tokens is not AccumulationMixin.loss_tokens:
         return
     raise ConfigError(
         KEY,
