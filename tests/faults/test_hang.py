@@ -31,6 +31,7 @@ from tests.runs import (
     run_ranks,
     skip_unless_ranks_fit,
     start,
+    start_ranks,
     wait_for,
 )
 
@@ -65,9 +66,6 @@ def wait_for_checkpoint(root: Path, step: int, launcher: subprocess.Popen, timeo
 @pytest.mark.timeout(420)
 def test_a_stopped_rank_is_named_hung_and_the_rerun_ends_bit_equal(tmp_path):
     skip_unless_ranks_fit(2)
-    reference = run_ranks(2, "resumable.py", tmp_path / "reference", *ARGS)
-    assert_all_ok(reference)
-
     root = tmp_path / "hung"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     command += [str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *ARGS]
@@ -75,15 +73,24 @@ def test_a_stopped_rank_is_named_hung_and_the_rerun_ends_bit_equal(tmp_path):
     launcher = zygote.popen(
         command, env=environment(STEP_SLEEP="0.1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    stopped = None
+    stopped, reference = None, []
     try:
         stopped = rank_pid(root, 1, launcher)
         wait_for_checkpoint(root, 10, launcher)
         os.kill(stopped, signal.SIGSTOP)
         at = time.monotonic()
-        output, _ = launcher.communicate(timeout=120)
+        # The uninterrupted run to compare with trains meanwhile: the stopped launch only waits.
+        reference = start_ranks(2, "resumable.py", tmp_path / "reference", *ARGS)
+        while launcher.poll() is None:
+            assert time.monotonic() - at < 120, "the launch never ended"
+            time.sleep(0.1)
         took = time.monotonic() - at
+        output = launcher.stdout.read()
+        finished = [process.communicate(timeout=240)[0] for process in reference]
     finally:
+        for process in reference:
+            if process.poll() is None:
+                process.kill()
         if stopped is not None:  # torchrun SIGKILLs it; if it did not, the test must not leave it stopped
             for signum in (signal.SIGCONT, signal.SIGKILL):
                 try:
@@ -92,6 +99,7 @@ def test_a_stopped_rank_is_named_hung_and_the_rerun_ends_bit_equal(tmp_path):
                     pass
         if launcher.poll() is None:
             launcher.kill()
+    assert all(process.returncode == 0 for process in reference), finished
     assert took < 60, f"the launch took {took:.0f} s to end after rank 1 stopped:\n{output}"
     lines = [line for line in output.splitlines() if "rank 1 (" in line and " hung in " in line]
     assert len(lines) == 1, output
