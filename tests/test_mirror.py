@@ -9,7 +9,9 @@ import signal
 import time
 
 import pytest
+import torch
 
+from perdure.cli import main as cli
 from tests.runs import assert_ok, assert_same_weights, built_once, final_weights, run, run_dir, start
 from tests.s3_store import S3Store
 
@@ -51,10 +53,10 @@ def test_sigkill_during_upload_then_empty_disk_resumes_from_mirror(tmp_path, tmp
     assert s3_store.complete()[-1] == "ckpt-s000000000020" and not s3_store.partial()
 
 
-def test_keep_latest_k_and_a_flipped_byte_in_the_mirror(tmp_path, tmp_path_factory, s3_store):
+def test_keep_latest_k_and_a_flipped_byte_in_the_mirror(tmp_path, tmp_path_factory, s3_store, capsys, monkeypatch):
     root = tmp_path / "run"
     mirror = ("--ckpt.mirror", s3_store.url, "--ckpt.keep_latest_k", "2")
-    assert_ok(run("resumable.py", root, *ARGS, *mirror, **s3_store.env))
+    assert_ok(run("resumable.py", root, *mirror, *ARGS, **s3_store.env))
     assert s3_store.pointer("latest") == "ckpt-s000000000020"
     protected = {s3_store.pointer("best")}  # never pruned, however old
     complete = s3_store.complete()  # a checkpoint still waiting when a newer one committed was never uploaded
@@ -62,16 +64,29 @@ def test_keep_latest_k_and_a_flipped_byte_in_the_mirror(tmp_path, tmp_path_facto
     assert newest == "ckpt-s000000000020" and set(complete) == {older, newest} | protected, complete
     assert not s3_store.partial()
 
-    key = s3_store.key_of("ckpt-s000000000020", "state.pth")
+    key = s3_store.key_of(newest, "state.pth")
     data = bytearray(s3_store.get(key))
     data[len(data) // 2] ^= 0x01
     s3_store.put(key, bytes(data))
+    for name, value in s3_store.env.items():
+        monkeypatch.setenv(name, value)
+    run_url = f"{s3_store.url}/{run_dir(root).relative_to(root).as_posix()}"
+    assert cli.main(["ckpt", "verify", run_url]) == 1
+    assert f"FAILED  {run_url}/checkpoints/{newest}: state.pth: checksum mismatch" in capsys.readouterr().out
+
     shutil.rmtree(root)
-    rerun = run("resumable.py", root, *ARGS, *mirror, **s3_store.env)
+    rerun = run("resumable.py", root, *mirror, *ARGS, **s3_store.env)
     assert_ok(rerun)
-    assert "ckpt-s000000000020 failed verification (state.pth: checksum mismatch)" in rerun.stdout
+    assert f"{newest} failed verification (state.pth: checksum mismatch)" in rerun.stdout
     assert f"resuming from {run_dir(root)}/checkpoints/{older}" in rerun.stdout
     assert_same_weights(final_weights(reference(tmp_path_factory)), final_weights(root))
+
+    # the rerun uploaded its own ckpt-s000000000020 again: the mirror verifies, and exports what training ended with
+    assert cli.main(["ckpt", "verify", run_url]) == 0
+    assert cli.main(["ckpt", "export", f"{run_url}/checkpoints/latest", str(tmp_path / "out.pth")]) == 0
+    assert_same_weights(torch.load(tmp_path / "out.pth", weights_only=True), final_weights(root))
+    assert cli.main(["ckpt", "prune", run_url, "--keep", "1"]) == 0
+    assert set(s3_store.complete()) == {newest, s3_store.pointer("best")}
 
 
 def test_store_down_during_training(tmp_path, s3_store):

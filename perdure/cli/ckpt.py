@@ -5,7 +5,8 @@
     perdure ckpt export CKPT OUT.pth|OUT.safetensors [--dtype bf16] [--ema]
     perdure ckpt prune RUN --keep K [--dry-run]
 
-RUN is a run directory or its `checkpoints/` directory. Only `prune` writes, and only while it holds the run's lock
+RUN is a run directory or its `checkpoints/` directory, or the run's URL in its mirror (`ckpt.mirror`; see
+`perdure/cli/ckpt_mirror.py`). Only `prune` writes, and only while it holds the run's lock
 (`perdure.resilience.run_lock`), so it never races a live run's saves. `ls`, `verify` and `export` never write into a
 run: they do not quarantine or repair anything (the next start of the run does that).
 """
@@ -34,6 +35,7 @@ from perdure.checkpoints.commit import (
 )
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
+from perdure.cli.ckpt_mirror import is_url, location, mirror_export, mirror_ls, mirror_prune, mirror_verify, on_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
 from perdure.runners.export import EXPORT_DTYPES, export_weights, read_weights, save_safetensors
@@ -54,20 +56,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     commands = parser.add_subparsers(dest="ckpt_command", required=True)
 
     ls = commands.add_parser("ls", help="list a run's checkpoints, newest first")
-    ls.add_argument("run", type=Path, help="run dir or its checkpoints dir")
+    ls.add_argument("run", type=location, help="run dir or its checkpoints dir, or the run's mirror URL (s3://...)")
     ls.add_argument("--quick", action="store_true", help="verify sizes only (skip re-hashing every file)")
     ls.set_defaults(handler=cmd_ls)
 
     verify = commands.add_parser("verify", help="verify one checkpoint, or every checkpoint and pointer of a run")
-    verify.add_argument("path", type=Path, help="checkpoint dir, run dir or checkpoints dir")
+    verify.add_argument("path", type=location, help="checkpoint dir, run dir or checkpoints dir, or a mirror URL")
     verify.add_argument("--quick", action="store_true", help="verify sizes only (skip re-hashing every file)")
     verify.set_defaults(handler=cmd_verify)
 
     export = commands.add_parser("export", help="write model (or EMA) weights only, as .pth or .safetensors")
     export.add_argument(
         "checkpoint",
-        type=Path,
-        help="checkpoint dir, a run / checkpoints dir (its latest), or RUN/best, RUN/latest; any backend",
+        type=location,
+        help="checkpoint dir, a run / checkpoints dir (its latest), or RUN/best, RUN/latest; any backend; or the same "
+        "in a mirror (s3://...)",
     )
     export.add_argument("out", type=Path, help="output file (.pth or .safetensors)")
     export.add_argument("--format", choices=("pth", "safetensors"), help="output format (default: from OUT's suffix)")
@@ -77,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.set_defaults(handler=cmd_export)
 
     prune = commands.add_parser("prune", help="delete all but the newest K checkpoints (never latest or best)")
-    prune.add_argument("run", type=Path, help="run dir or its checkpoints dir")
+    prune.add_argument("run", type=location, help="run dir or its checkpoints dir, or the run's mirror URL")
     prune.add_argument("--keep", type=int, required=True, metavar="K", help="how many verifying checkpoints to keep")
     prune.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     prune.add_argument("--quick", action="store_true", help="verify sizes only (skip re-hashing every file)")
@@ -230,6 +233,8 @@ def _quarantine_reason(entry: Path) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """Print a table of the run's committed checkpoints, then quarantined entries and leftover staging dirs."""
+    if is_url(args.run):
+        return on_mirror(lambda: mirror_ls(args))
     root, _ = checkpoints_root(args.run)
     checked = check_all(root, deep=not args.quick)
     pointers = pointer_targets(root)
@@ -291,6 +296,8 @@ def _ok_line(item: Checked, deep: bool) -> str:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Verify one checkpoint, or every checkpoint and pointer of a run; 1 if anything fails."""
+    if is_url(args.path):
+        return on_mirror(lambda: mirror_verify(args))
     path, deep = args.path.expanduser(), not args.quick
     if is_checkpoint_dir(path):
         item = check(path, deep=deep, check_name=bool(CHECKPOINT_PATTERN.match(path.name)))
@@ -373,6 +380,8 @@ def _output_format(out: Path, requested: str | None) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write model (or EMA) weights of a checkpoint to OUT (.pth or .safetensors), optionally cast."""
+    if is_url(args.checkpoint):
+        return mirror_export(args, cmd_export)
     out = args.out.expanduser()
     fmt = _output_format(out, args.format)
     if out.exists() and not args.force:
@@ -406,6 +415,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     """
     if args.keep < 1:
         raise PerdureError(f"--keep {args.keep}: keep at least 1 checkpoint")
+    if is_url(args.run):
+        return on_mirror(lambda: mirror_prune(args))
     root, run_dir = checkpoints_root(args.run)
     if args.dry_run or run_dir is None:
         return _prune(root, args.keep, deep=not args.quick, dry_run=args.dry_run)
