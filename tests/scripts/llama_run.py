@@ -5,6 +5,7 @@ Environment knobs (tests only):
   MESH_DIM        parallelize_model asks the mesh for this dimension (a name TorchTitan's mesh does not have)
   PARALLEL_DIMS   parallelize_model treats the mesh as TorchTitan's ParallelDims (`mesh.tp_enabled`)
   SHARDED_LOGITS  the TP plan leaves the logits sharded whatever parallel.loss_parallel says
+  NO_VAL          no validation split (a compiled model compiles its evaluation graphs too: time)
 """
 
 import os
@@ -33,6 +34,11 @@ class Config(llama.Config):
 
 
 class TestRunner(llama.LlamaRunner):
+    def __init__(self, config):
+        super().__init__(config)
+        if os.environ.get("NO_VAL"):
+            del self.datasets["val"]
+
     def parallelize_model(self, model, mesh):
         if os.environ.get("MESH_DIM"):
             print(mesh[os.environ["MESH_DIM"]])
