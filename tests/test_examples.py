@@ -2,7 +2,9 @@
 SIGKILLed run resuming to bit-identical weights; `examples/nanogpt_char.py` (compiled) and `examples/stream_tokens.py`
 (an IterableDataset) resume bit for bit after a SIGKILL; every preset in `configs/` loads into its example;
 `examples/ft_local.py` kills a TorchFT replica group and heals it; `examples/self_distill.py` resumes a teacher of its
-own bit for bit."""
+own bit for bit. Examples whose tests live beside the feature they show: `examples/gpt.py`
+(tests/parallel/test_parallel_resume.py), `examples/padded_lm.py` (tests/test_token_loss.py), `examples/llama.py`
+(tests/parallel/test_llama.py, test_titan_fit.py), `examples/hf_causal_lm.py` (tests/deepspeed/test_hf_causal_lm.py)."""
 
 from __future__ import annotations
 
