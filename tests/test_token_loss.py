@@ -57,7 +57,11 @@ def hand_gradients(config: padded_lm.Config, normalize: str) -> tuple[dict[str, 
     return initial, {name: parameter.grad for name, parameter in model.named_parameters()}
 
 
-STACKS = {"ddp": ("--stack", "torch"), "deepspeed-zero3": ("--stack", "deepspeed", "--deepspeed.zero_stage", "3")}
+STACKS = {
+    "ddp": ("--stack", "torch"),
+    "fsdp2": ("--stack", "parallel"),
+    "deepspeed-zero3": ("--stack", "deepspeed", "--deepspeed.zero_stage", "3"),
+}
 
 
 @pytest.mark.timeout(240)
