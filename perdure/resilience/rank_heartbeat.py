@@ -4,8 +4,8 @@ Every rank keeps one small file in the run directory, `heartbeats/rank-<r>.json`
 TorchFT replica group), holding a fixed-width JSON record: the attempt, the rank's host and pid, its phase (see
 `PHASES`), the step that phase belongs to, since when it is in it, whether it finished a step of this attempt yet
 (`armed`) and when the record was last written (`beat`). The record is rewritten in place (`pwrite` of the same
-number of bytes on a descriptor kept open) by the rank's watch thread, a few times per `dist.step_timeout`, from what
-the training loop last noted in memory: the loop itself never touches the disk for it.
+number of bytes on a descriptor kept open) by the rank's watch thread, within 50 ms of a change and every few seconds
+anyway, from what the training loop last noted in memory: the loop itself never touches the disk for it.
 
 A file and not the process group's TCPStore: a rank stopped with SIGSTOP (or frozen by a hung device) must not take
 the channel down with it, and under a plain `env://` launch the store lives in rank 0's process. Reading another
