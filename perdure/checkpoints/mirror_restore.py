@@ -54,7 +54,7 @@ def read_mirrored(store: MirrorStore, name: str) -> tuple[dict[str, Any], bytes]
     where = f"{store}/{name}"
     data = store.read(f"{name}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
     if data is None:
-        raise CheckpointCorruptError(where, f"no {MANIFEST_NAME} object (an upload that did not finish)")
+        raise CheckpointCorruptError(where, f"no {MANIFEST_NAME} object: an upload that did not finish")
     manifest = parse_manifest(data, where)
     if manifest["name"] != name:
         raise CheckpointCorruptError(where, f"{MANIFEST_NAME} names {escape_terminal(manifest['name'])!r}")
