@@ -4,6 +4,7 @@ a run SIGKILLed during an upload continues from the mirror on an empty disk bit 
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import time
@@ -11,6 +12,10 @@ import time
 import pytest
 import torch
 
+from perdure import ConfigError, RunnerConfig
+from perdure.checkpoints.commit import checkpoint_name, commit_checkpoint, make_staging_dir, write_file
+from perdure.checkpoints.mirror import MirrorStore, upload_checkpoint
+from perdure.checkpoints.mirror_restore import restore_newest
 from perdure.cli import main as cli
 from tests.runs import assert_ok, assert_same_weights, built_once, final_weights, run, run_dir, start
 from tests.s3_store import S3Store
@@ -110,3 +115,34 @@ def test_store_down_during_training(tmp_path, s3_store):
     assert "retrying in" in output and "training goes on" in output, output
     assert s3_store.complete()[-1] == "ckpt-s000000000040"
     assert s3_store.pointer("latest") == "ckpt-s000000000040"
+
+
+def test_a_hostile_or_damaged_mirror_is_never_used(tmp_path, s3_store, monkeypatch, caplog):
+    for name, value in s3_store.env.items():
+        monkeypatch.setenv(name, value)
+    local = tmp_path / "made" / "checkpoints"
+    for step in (1, 2, 3):
+        staging = make_staging_dir(local, checkpoint_name(step=step))
+        record = write_file(staging / "state.pth", lambda file, step=step: file.write(bytes([step]) * 1000))
+        commit_checkpoint(staging, local / checkpoint_name(step=step), {"state.pth": record}, {"global_step": step})
+    store = MirrorStore(f"{s3_store.url}/run/checkpoints")
+    for step in (1, 2, 3):
+        upload_checkpoint(store, local, checkpoint_name(step=step))
+    # step 3's object grew (bytes appended after the manifest's size); step 2's manifest names a file outside it
+    key = s3_store.key_of("ckpt-s000000000003", "state.pth")
+    s3_store.put(key, s3_store.get(key) + b"x")
+    key = s3_store.key_of("ckpt-s000000000002", "manifest.json")
+    s3_store.put(key, s3_store.get(key).replace(b'"state.pth"', b'"../../escape"'))
+    config = RunnerConfig()
+    config.steps, config.ckpt.mirror = 1, "team-bucket/prefix"
+    with pytest.raises(ConfigError, match="'ckpt.mirror' = 'team-bucket/prefix': use an object-store URL"):
+        config.check()
+
+    root = tmp_path / "new-machine" / "checkpoints"
+    caplog.set_level(logging.WARNING, logger="perdure")
+    assert restore_newest(store, root) == "ckpt-s000000000001"
+    assert "ckpt-s000000000003 failed verification (state.pth: size 1001 != 1000 in manifest)" in caplog.text
+    assert "ckpt-s000000000002 is no checkpoint (manifest.json has a malformed entry for '../../escape')" in caplog.text
+    assert sorted(path.name for path in root.iterdir()) == ["ckpt-s000000000001", "latest"]
+    assert (root / "ckpt-s000000000001" / "state.pth").read_bytes() == bytes([1]) * 1000
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "new-machine" / "escape").exists()
