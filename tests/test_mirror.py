@@ -17,6 +17,7 @@ from perdure.checkpoints.commit import checkpoint_name, commit_checkpoint, make_
 from perdure.checkpoints.mirror import MirrorStore, upload_checkpoint
 from perdure.checkpoints.mirror_restore import restore_newest
 from perdure.cli import main as cli
+from perdure.workspace.sidecar import SIDECAR_NAME, read_sidecar
 from tests.runs import assert_ok, assert_same_weights, built_once, final_weights, run, run_dir, start
 from tests.s3_store import S3Store
 
@@ -113,6 +114,8 @@ def test_store_down_during_training(tmp_path, s3_store):
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
     assert "retrying in" in output and "training goes on" in output, output
+    failures = read_sidecar(run_dir(root) / SIDECAR_NAME)["attempts"][-1]["save_failures"]
+    assert failures and all("mirror: upload failed, retrying" in failure["error"] for failure in failures), failures
     assert s3_store.complete()[-1] == "ckpt-s000000000040"
     assert s3_store.pointer("latest") == "ckpt-s000000000040"
 
