@@ -107,12 +107,14 @@ def test_sigterm_to_a_torchrun_launch_with_workers_stops_every_rank_at_one_step(
 
     root, loss_log = tmp_path / "run", tmp_path / "losses-{rank}.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += ["--shutdown-timeout", "100"]  # the ranks read it from torchrun's command line (resilience/grace.py)
     command += [str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *ARGS]
     launch = start_in_own_group(command, LOSS_LOG=loss_log, STEP_SLEEP="0.05")
     wait_for_lines(tmp_path / "losses-1.jsonl", 24, [launch], timeout=180)
     os.killpg(launch.pid, signal.SIGTERM)
     output, _ = launch.communicate(timeout=120)
     assert "DataLoader worker" not in output
+    assert "grace window 100s (torchrun's --shutdown-timeout 100); the first save took" in output
     stopped = stopped_step(output, signal.SIGTERM)
     assert output.count(f"received SIGTERM: checkpointing step {stopped}") == 2, output
     assert 20 < stopped < 40
