@@ -40,7 +40,9 @@ def test_sigkill_during_upload_then_empty_disk_resumes_from_mirror(tmp_path, tmp
     root = tmp_path / "run"
     process = start("resumable.py", root, *ARGS, "--ckpt.mirror", s3_store.url, STEP_SLEEP="0.03", **s3_store.env)
     deadline = time.monotonic() + 120
-    while not (s3_store.complete() and s3_store.partial()):  # files of a checkpoint uploaded, its manifest not yet
+    # Files go up in name order, manifest last: a checkpoint with objects but no state.pth yet (the largest) is caught
+    # with that upload and the manifest's still to come, not in a race with the manifest's.
+    while not (s3_store.complete() and any("state.pth" not in files for files in s3_store.checkpoints().values())):
         assert process.poll() is None, f"the run ended before an upload was caught half-way:\n{process.stdout.read()}"
         assert time.monotonic() < deadline, "no upload was caught half-way"
     process.send_signal(signal.SIGKILL)
