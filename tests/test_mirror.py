@@ -151,3 +151,15 @@ def test_a_hostile_or_damaged_mirror_is_never_used(tmp_path, s3_store, monkeypat
     assert sorted(path.name for path in root.iterdir()) == ["ckpt-s000000000001", "latest"]
     assert (root / "ckpt-s000000000001" / "state.pth").read_bytes() == bytes([1]) * 1000
     assert not (tmp_path / "escape").exists() and not (tmp_path / "new-machine" / "escape").exists()
+
+    # back on a machine whose disk holds an older checkpoint than the mirror: the mirror's newer one is taken
+    staging = make_staging_dir(local, checkpoint_name(step=4))
+    record = write_file(staging / "state.pth", lambda file: file.write(bytes([4]) * 1000))
+    commit_checkpoint(staging, local / checkpoint_name(step=4), {"state.pth": record}, {"global_step": 4})
+    upload_checkpoint(store, local, checkpoint_name(step=4))
+    assert restore_newest(store, root, (4, "ckpt-s000000000004")) is None  # not newer: nothing fetched
+    assert restore_newest(store, root, (1, "ckpt-s000000000001")) == "ckpt-s000000000004"
+    assert "newer than ckpt-s000000000001 on this disk: ckpt-s000000000004 fetched from the mirror" in caplog.text
+    s3_store.stop()  # a store that is down: the local checkpoint is used, with a warning
+    assert restore_newest(store, root, (4, "ckpt-s000000000004")) is None
+    assert "could not be read" in caplog.text and "continuing from ckpt-s000000000004 on this disk" in caplog.text

@@ -133,14 +133,18 @@ class CheckpointManager(ABC):
     # ---- what the runner calls -------------------------------------------------------------------------------
 
     def resolve(self) -> CheckpointInfo | None:
-        """The newest checkpoint of this run that verifies. Reads only: what is wrong (bad checkpoints, staging
-        leftovers, pointers) is reported now and fixed by `repair` when training starts."""
+        """The newest checkpoint of this run that verifies. Reads only (but for a checkpoint of the mirror newer than
+        any here, which is downloaded and committed like a save): what is wrong (bad checkpoints, staging leftovers,
+        pointers) is reported now and fixed by `repair` when training starts."""
         refuse_symlinked_dir(self.root)  # the repair and every save write here: never through a symlink
         if not self.root.is_dir() and self.mirror is None:
             return None
         self.resolution = find_latest(self.root)
-        if self.resolution.chosen is None and self.mirror is not None and restore_newest(self.mirror.store, self.root):
-            self.resolution = find_latest(self.root)  # no usable local checkpoint: the mirror's newest that verifies
+        if self.mirror is not None:  # the newest checkpoint that verifies in either tier (mirror.py)
+            chosen = self.resolution.chosen
+            local = (chosen.global_step or -1, chosen.name) if chosen is not None else None
+            if restore_newest(self.mirror.store, self.root, local):
+                self.resolution = find_latest(self.root)
         fate = "left in place (moved to quarantine when training starts)" if self.policy.enabled else "skipped"
         report(self.resolution, logger.warning, default_fate=fate)
         quarantine_dir = self.root / QUARANTINE_DIR

@@ -347,7 +347,7 @@ def mirror_for_run(ckpt: Mapping[str, Any], run_path: Path, run_root: Path | Non
 
     The run's checkpoints live at `<ckpt.mirror>/<the run's path in its workspace>/checkpoints/` in the mirror."""
     url = ckpt.get("mirror")
-    if not url:
+    if not url or not ckpt.get("enabled", True):  # ckpt.enabled=false writes nothing, downloads included
         return None
     relative = run_path.relative_to(run_root) if run_root is not None else Path(run_path.name)
     store = MirrorStore(f"{str(url).rstrip('/')}/{relative.as_posix()}/checkpoints")

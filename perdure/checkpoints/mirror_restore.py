@@ -134,14 +134,18 @@ def download_checkpoint(store: MirrorStore, name: str, root: Path) -> Path:
     return final
 
 
-def restore_newest(store: MirrorStore, root: Path) -> str | None:
-    """When no local checkpoint verifies: bring the newest checkpoint of the mirror that verifies into `root` and point
-    `latest` at it; a partial upload or a corrupt object is skipped with a warning. Returns its name, or None.
+def restore_newest(store: MirrorStore, root: Path, local: tuple[int, str] | None = None) -> str | None:
+    """Bring the newest checkpoint of the mirror that verifies into `root` when it is newer than `local` (the (step,
+    name) of the newest local checkpoint that verifies, None when there is none), and point `latest` at it; a partial
+    upload or a corrupt object is skipped with a warning. Returns its name, or None.
 
-    A store that cannot be read stops the launch (CheckpointError): starting over at step 0 could lose the run."""
+    A store that cannot be read stops a launch that has no local checkpoint (CheckpointError): starting over at step 0
+    could lose the run; with a local checkpoint it is a warning, and the run continues from that one."""
     try:
         candidates = mirrored_checkpoints(store)
         for item in candidates:
+            if local is not None and item.order <= local:
+                return None
             if item.manifest is None:
                 logger.warning("MIRROR: %s/%s is no checkpoint (%s): skipped", store, item.name, item.error)
                 continue
@@ -155,9 +159,14 @@ def restore_newest(store: MirrorStore, root: Path) -> str | None:
                                error.path, error.reason)  # fmt: skip
                 continue
             write_pointer(Path(root), "latest", item.name)
-            logger.warning("no usable local checkpoint: %s fetched from the mirror %s and verified", item.name, store)
+            why = "no usable local checkpoint" if local is None else f"newer than {local[1]} on this disk"
+            logger.warning("%s: %s fetched from the mirror %s and verified", why, item.name, store)
             return item.name
     except STORE_ERRORS as error:
+        if local is not None:
+            logger.warning("the mirror %s could not be read (%s: %s): continuing from %s on this disk", store,
+                           type(error).__name__, error, local[1])  # fmt: skip
+            return None
         raise CheckpointError(
             f"the mirror {store} could not be read ({type(error).__name__}: {error}), and no local checkpoint "
             "verifies: not starting over at step 0. Check the store's endpoint and credentials (AWS_ENDPOINT_URL, "
