@@ -99,7 +99,8 @@ def test_keep_latest_k_and_a_flipped_byte_in_the_mirror(tmp_path, tmp_path_facto
 
 def test_store_down_during_training(tmp_path, s3_store):
     root = tmp_path / "run"
-    args = ("--steps", "40", "--ckpt.interval", "2", "--ckpt.mirror", s3_store.url)
+    # async saves: the writer thread hands each commit to the uploader
+    args = ("--steps", "40", "--ckpt.interval", "2", "--ckpt.async_mode", "thread", "--ckpt.mirror", s3_store.url)
     process = start("resumable.py", root, *args, STEP_SLEEP="0.15", **s3_store.env)
     deadline = time.monotonic() + 120
     while not s3_store.complete():

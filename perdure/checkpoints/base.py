@@ -285,7 +285,6 @@ class CheckpointManager(ABC):
             raise save_failure(error, name=job.name, root=self.root, needed=job.nbytes) from error
         finally:
             self.watch.end(job.name)
-        self._mirror([SaveOutcome(job.name, str(job.meta.get("reason")), 0.0)])
 
     def snapshot_states(
         self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
@@ -328,6 +327,8 @@ class CheckpointManager(ABC):
         if job.is_best:
             write_pointer(self.root, "best", job.name)
         self.last_saved = job.name
+        if self.mirror is not None:  # inline or in the writer thread; a writer process has none: see `_mirror`
+            self.mirror.committed(job.name, str(job.meta.get("reason")), protected=job.protected)
         self.prune(protected=job.protected | {job.name})
         return final
 
@@ -373,7 +374,8 @@ class CheckpointManager(ABC):
         return self._mirror(self._saver.take_outcomes()) if self._saver is not None else []
 
     def _mirror(self, outcomes: list[SaveOutcome]) -> list[SaveOutcome]:
-        """Hand each checkpoint committed locally to the mirror's uploader (it returns at once); return `outcomes`."""
+        """Hand each checkpoint a writer process committed to the mirror's uploader (it returns at once; one already
+        handed over by `commit_job` is not uploaded twice); return `outcomes`."""
         if self.mirror is not None:
             for outcome in outcomes:
                 if outcome.error is None:

@@ -229,6 +229,7 @@ class MirrorUploader:
         self.drain_s = drain_s
         self.uploaded: list[str] = []
         self._count = 0
+        self._handed: set[str] = set()
         self._queue: list[_Upload] = []
         self._failures: list[MirrorFailure] = []
         self._cond = threading.Condition()
@@ -236,14 +237,16 @@ class MirrorUploader:
         self._deadline: float | None = None  # set by `close`: give up retrying after it
 
     def committed(self, name: str, reason: str, protected: Iterable[str | None] = ()) -> None:
-        """Checkpoint `name` committed locally (`reason` from its manifest); `protected`: names retention must keep."""
-        self._count += 1
+        """Checkpoint `name` committed locally (`reason` from its manifest); `protected`: names retention must keep.
+        Thread-safe; a name handed over before is ignored."""
         forced = reason in ("final", "preemption")
-        if not forced and self._count % self.every != 0:
-            return
         upload = _Upload(name, forced, frozenset(p for p in protected if p))
         with self._cond:
-            if any(job.name == name for job in self._queue):
+            if name in self._handed:
+                return
+            self._handed.add(name)
+            self._count += 1
+            if not forced and self._count % self.every != 0:
                 return
             skipped = [job.name for job in self._queue[1:] if not job.forced]
             if skipped:
