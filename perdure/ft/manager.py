@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterable
@@ -29,7 +28,7 @@ from torch import nn
 
 from perdure.checkpoints.snapshot import is_dtensor, local_part
 from perdure.errors import PerdureError
-from perdure.ft.ports import host_port, listen_address, manager_server_on, rebind_transport, store_on
+from perdure.ft.ports import host_port, manager_server_on, own_address, rebind_transport, store_on
 
 # torch warns once that tensors loaded from a byte stream view read-only memory; the transport copies them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module="torch.distributed._serialization")
@@ -129,14 +128,12 @@ def build_manager(
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     timeout = timedelta(seconds=settings.timeout_s)
-    several = settings.group_world_size > 1
-    host = os.environ["MASTER_ADDR"] if several else os.environ.get("MASTER_ADDR") or socket.gethostname()
-    ip = listen_address(host)  # every port of the group listens there only (ports.py)
-    if several:
-        port, store = int(os.environ["MASTER_PORT"]), None
+    host, ip = own_address(os.environ.get("MASTER_ADDR"))  # this rank's ports listen there only (ports.py)
+    if settings.group_world_size > 1:
+        store_host, port, store = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None
     else:
-        store = store_on(ip, host, timeout)
-        port = store[0].port
+        store = store_on(ip, host, timeout)  # (the TCPStore, its listening socket): kept alive together
+        store_host, port = host, store[0].port
     group = ProcessGroupNCCL(timeout=timeout) if settings.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
     transport = _transport_class()(timeout, host=host, ip=ip)
     try:
@@ -152,7 +149,7 @@ def build_manager(
                 connect_timeout=timeout,
                 rank=settings.group_rank,
                 world_size=settings.group_world_size,
-                store_addr=host,
+                store_addr=store_host,
                 store_port=port,
                 lighthouse_addr=settings.lighthouse,
                 replica_id=torchft_replica_id(settings.replica_id),

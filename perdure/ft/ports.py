@@ -4,9 +4,9 @@ A group's rank 0 opens three ports: torchft's ManagerServer (the group's ranks a
 sends it the dashboard's kill), the TCPStore of a one-process group (the quorum's other groups connect to the
 primary's store), and the HTTP server a healing group downloads the full training state from. torchft binds the first
 and the last to every interface (`[::]`, `""`) and advertises the machine's host name; torch's TCPStore listens on
-every interface too. perdure binds each to the one address the group advertises (MASTER_ADDR, else the host name,
-resolved): a group on 127.0.0.1 is reachable from this machine only, and a group on a cluster's interface is not
-also reachable on every other one.
+every interface too. perdure binds each to the one address the rank advertises (MASTER_ADDR when it is this
+machine's, else the host name; `own_address`): a group on 127.0.0.1 is reachable from this machine only, and a group
+on a cluster's interface is not also reachable on every other one.
 """
 
 from __future__ import annotations
@@ -22,16 +22,38 @@ from typing import Any
 from perdure.errors import PerdureError
 
 
-def listen_address(host: str) -> str:
-    """The IP address `host` (the address the group advertises) resolves to: what its ports bind to."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
+def own_address(master: str | None) -> tuple[str, str]:
+    """(host, ip): the address this rank advertises for its ports and the IP they listen on. `MASTER_ADDR` when it is
+    an address of this machine (always for a one-process group, and for the rank 0 of a group torchrun started), else
+    the host name, as torchft itself advertises it."""
+    if master:
+        ip = _resolved(master)
+        if ip is not None and _can_listen(ip):
+            return master, ip
+    host = socket.gethostname()
+    ip = _resolved(host)
+    if ip is None or not _can_listen(ip):
         raise PerdureError(
-            f"replica group address {host!r} does not resolve ({error.strerror}): set MASTER_ADDR to this machine's "
-            "address on the network the groups share (127.0.0.1 when they all run here)"
-        ) from None
-    return infos[0][4][0]
+            f"cannot tell this machine's address for the replica group's ports: MASTER_ADDR is {master!r} and the host "
+            f"name {host!r} resolves to {ip or 'nothing'}. Set MASTER_ADDR to this machine's address on the network "
+            "the groups share (127.0.0.1 when they all run here)"
+        )
+    return host, ip
+
+
+def _resolved(host: str) -> str | None:
+    try:
+        return socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, IndexError):
+        return None
+
+
+def _can_listen(ip: str) -> bool:
+    try:
+        listening_socket(ip).close()
+    except OSError:
+        return False
+    return True
 
 
 def host_port(ip: str, port: int) -> str:
