@@ -46,15 +46,24 @@ _STORE_OPTIONS: dict[str, dict[str, Any]] = {
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = ()
     try:
         from botocore.exceptions import BotoCoreError, ClientError
+
+        errors += (BotoCoreError, ClientError)
     except ImportError:  # no S3 client installed: its errors cannot happen
-        return ()
-    return (BotoCoreError, ClientError)
+        pass
+    try:
+        from aiohttp import ClientError as HTTPClientError
+
+        errors += (HTTPClientError,)
+    except ImportError:
+        pass
+    return errors
 
 
 # What a store raises when it is unreachable, refuses or fails a request: fsspec maps most of it to OSError; botocore's
-# connection errors (s3fs) come as they are.
+# and aiohttp's connection errors (s3fs, http stores) come as they are, once the client's own retries are spent.
 STORE_ERRORS: tuple[type[BaseException], ...] = (OSError, *_client_errors())
 
 
@@ -281,6 +290,11 @@ class MirrorUploader:
         thread.join()
         with self._cond:
             self._thread = None
+            if self._queue:  # the thread died of an error no store raises (logged by threading's excepthook)
+                self._failures.extend(
+                    MirrorFailure(job.name, "not uploaded: the uploader stopped") for job in self._queue
+                )
+                self._queue.clear()
 
     def _run(self) -> None:
         while True:
