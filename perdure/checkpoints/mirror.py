@@ -42,6 +42,7 @@ BACKOFF_MAX_S = 15.0
 # fsspec options per protocol: a request that cannot connect fails within seconds (the uploader retries it).
 _STORE_OPTIONS: dict[str, dict[str, Any]] = {
     "s3": {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}}},
+    "file": {"auto_mkdir": True},  # a mounted filesystem as the mirror: its directories are made as objects are written
 }
 
 
