@@ -176,7 +176,14 @@ def main() -> None:
     ]
     print(format_targets(targets))
     config = {**vars(args), "threads": threads, "checkpoint_bytes": throughput["bytes"] // throughput["checkpoints"]}
-    results = {"step_ratios": ratios, "step_s_uploading": during, "step_s_without": without, **throughput}
+    results = {
+        "step_ratio": median(ratios),
+        "upload_ratio": median(upload_ratios),
+        "step_ratios": ratios,
+        "step_s_uploading": during,
+        "step_s_without": without,
+        **throughput,
+    }
     path = write_results("mirror", config, results, targets)
     print(f"results: {path}")
 

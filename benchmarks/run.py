@@ -37,6 +37,7 @@ BENCHMARKS = (
     "sampler_scale",
     "gpu",
     "ft_recovery",
+    "mirror",
 )
 
 
@@ -130,6 +131,11 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
              "", ""]
             for key, r in results.items() if isinstance(r, dict)
         ]  # fmt: skip
+    if name == "mirror":
+        return [
+            [name, "step time while uploading / without a mirror", f"{results['step_ratio']:.3f}", "", ""],
+            [name, "perdure upload / s3fs plain put, throughput", f"{results['upload_ratio']:.3f}", "", ""],
+        ]
     if name == "async_stall":
         return [
             [name, f"{mode}: stall per save s / total s / peak RSS GiB", f"{r['stall_per_save_s']:.3f} / "

@@ -20,13 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-import xxhash
-
 from perdure.checkpoints.commit import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_POINTER_BYTES,
     FileRecord,
+    hash_file,
     parse_manifest,
     read_pointer,
     write_file,
@@ -153,16 +152,13 @@ class MirrorStore:
         self.fs.pipe_file(self.path(key), data)
 
     def upload(self, key: str, local: Path, expected: FileRecord) -> None:
-        """Stream the local file to object `key`, hashing what is sent: CheckpointCorruptError when it is not the file
-        the local manifest describes (the object may then exist, but no manifest will ever vouch for it)."""
-        hasher, size = xxhash.xxh3_128(), 0
-        with open(local, "rb") as source, self.fs.open(self.path(key), "wb") as target:
-            while chunk := source.read(CHUNK):
-                hasher.update(chunk)
-                size += len(chunk)
-                target.write(chunk)
-            if size != expected.size or hasher.hexdigest() != expected.digest:
-                raise CheckpointCorruptError(local.parent, f"{local.name}: checksum mismatch in the local copy")
+        """Upload the local file to object `key` with the store's own upload (multipart for large files), after
+        checking that it is the file the local manifest describes (CheckpointCorruptError otherwise: a local copy that
+        rotted is never mirrored)."""
+        record = hash_file(local)
+        if record != expected:
+            raise CheckpointCorruptError(local.parent, f"{local.name}: checksum mismatch in the local copy")
+        self.fs.put_file(str(local), self.path(key))
 
     def download(self, key: str, dest: Path, size: int) -> FileRecord:
         """Write object `key` to the new local file `dest` (fsynced), reading at most `size` + 1 bytes of it."""
