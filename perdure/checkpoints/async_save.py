@@ -33,6 +33,7 @@ from perdure.checkpoints.save_watch import SaveWatch
 from perdure.checkpoints.snapshot import BufferPool, Snapshot
 from perdure.checkpoints.staging import Staging
 from perdure.errors import CheckpointSaveError, CheckpointStateError
+from perdure.resilience.worker_signals import preemption_signals_blocked
 
 if TYPE_CHECKING:
     from perdure.checkpoints.base import CheckpointManager
@@ -241,7 +242,11 @@ class _WriterProcess:
             name=WRITER_PROCESS_NAME,
             daemon=True,
         )
-        self.process.start()
+        # Started with the preemption signals blocked, which the child keeps: a signal to the whole job is the
+        # training process's to act on (it saves through this writer); the writer ends on its queue's None, a SIGKILL
+        # or its parent's death (PR_SET_PDEATHSIG), never on a SIGTERM of the parent's.
+        with preemption_signals_blocked():
+            self.process.start()
         child_end.close()  # the child got its own copy at the start: with it, a dead child fails the next send
         self.committed = 0
 

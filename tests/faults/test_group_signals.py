@@ -38,7 +38,8 @@ from tests.runs import (
 )
 
 ARGS = ("--steps", "40", "--ckpt.interval", "20", "--dataloader.num_workers", "2")  # epochs of 13 steps
-DATASETS = {"map": {}, "stream": {"ITERABLE": "stateful"}}
+# A map-style dataset, with the checkpoint writer process (also signalled); a stream that saves its position.
+CASES = {"map": ({}, ("--ckpt.async_mode", "process")), "stream": ({"ITERABLE": "stateful"}, ())}
 
 
 def start_in_own_group(command: list[str], **env: str) -> subprocess.Popen:
@@ -73,14 +74,15 @@ def assert_resumed_bit_equal(reference, root, resumed_log, stopped: int) -> None
 def test_a_signal_to_the_group_of_a_run_with_workers_is_a_preemption(tmp_path_factory, tmp_path, dataset, signum):
     """Before: the workers died of SIGTERM and the run failed with `DataLoader worker (pid ...) is killed by signal:
     Terminated.`, exit 1, no preemption save (the 20 steps since the interval save were lost)."""
-    knobs = DATASETS[dataset]
+    knobs, extra = CASES[dataset]
+    args = (*ARGS, *extra)
     reference = built_once(
         tmp_path_factory,
         f"group-signals-{dataset}",
-        lambda root: assert_ok(run("resumable.py", root, *ARGS, LOSS_LOG=root / "losses.jsonl", **knobs)),
+        lambda root: assert_ok(run("resumable.py", root, *args, LOSS_LOG=root / "losses.jsonl", **knobs)),
     )
     root, loss_log = tmp_path / "run", tmp_path / "losses.jsonl"
-    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *ARGS]
+    command = [sys.executable, str(SCRIPTS / "resumable.py"), "--workspace.root", str(root), *LAUNCH_DEFAULTS, *args]
     process = start_in_own_group(command, LOSS_LOG=loss_log, STEP_SLEEP="0.05", **knobs)
     wait_for_lines(loss_log, 24, [process])  # past the first interval save, in the second epoch's workers
     workers = [child for child in _children(process.pid)]
@@ -88,13 +90,13 @@ def test_a_signal_to_the_group_of_a_run_with_workers_is_a_preemption(tmp_path_fa
     os.killpg(process.pid, signum)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 128 + signum, output
-    assert "DataLoader worker" not in output
+    assert "DataLoader worker" not in output and "writer process" not in output
     stopped = stopped_step(output, signum)
     assert 20 < stopped < 40
     assert_saved_at(root, stopped)
 
     resumed_log = tmp_path / "resumed.jsonl"
-    assert_ok(run("resumable.py", root, *ARGS, LOSS_LOG=resumed_log, **knobs))
+    assert_ok(run("resumable.py", root, *args, LOSS_LOG=resumed_log, **knobs))
     assert_resumed_bit_equal(reference, root, resumed_log, stopped)
 
 
