@@ -50,10 +50,10 @@ def _take_signals() -> None:
 
 @contextlib.contextmanager
 def preemption_signals_blocked() -> Iterator[None]:
-    """Block the preemption signals in this thread while DataLoader workers start: a worker forked (or spawned) now
-    inherits them blocked, so a group signal that lands before its `worker_init_fn` runs waits for the thread that
-    drops it, instead of killing the worker through torch's handler. This thread gets its own pending signal when the
-    block ends; none is lost."""
+    """Block the preemption signals in this thread while DataLoader workers (or the checkpoint writer process) start:
+    a process forked (or spawned) now inherits them blocked, so a group signal that lands before a worker's
+    `worker_init_fn` runs waits for the thread that drops it, instead of killing the worker through torch's handler.
+    This thread gets its own pending signal when the block ends; none is lost."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
