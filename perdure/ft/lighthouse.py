@@ -19,7 +19,7 @@ from typing import Any
 
 from perdure.errors import PerdureError
 from perdure.ft.config import FT_EXTRA_HINT
-from perdure.web.server import is_loopback
+from perdure.loopback import is_loopback
 
 DEFAULT_BIND = "127.0.0.1:29510"
 DEFAULT_JOIN_TIMEOUT_MS = 60_000

@@ -6,7 +6,6 @@ message that says what to do, and lets `--port 0` pick a free port whose URL is 
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import sys
 import threading
@@ -16,19 +15,10 @@ from pathlib import Path
 import uvicorn
 
 from perdure.errors import PerdureError
+from perdure.loopback import is_loopback
 from perdure.web.app import LOOPBACK_HOSTS, create_app
 from perdure.web.workspace_view import WorkspaceView
 from perdure.workspace.registry import missing_root
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine only (127.0.0.0/8, ::1, localhost)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def bind(host: str, port: int) -> socket.socket:
