@@ -59,6 +59,9 @@ def test_defaults():
         "on_error": "warn",
         "hang_warning_s": 300.0,
         "export_format": ["pth"],
+        "mirror": None,
+        "mirror_every": 1,
+        "mirror_drain_s": 600.0,
     }
     assert c["optim"]["betas"] == [0.9, 0.999] and c["optim"]["lr"] == 1e-3
     assert c["dataloader"]["batch_size"] == 32 and c["score"]["mode"] == "min"
