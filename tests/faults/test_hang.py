@@ -63,6 +63,24 @@ def wait_for_checkpoint(root: Path, step: int, launcher: subprocess.Popen, timeo
         time.sleep(0.05)
 
 
+def wait_for_training_phase(root: Path, rank: int, after: int, launcher: subprocess.Popen, timeout: float = 60) -> None:
+    """Until `rank`'s heartbeat says it reads or trains a step after `after`. A rank stopped inside a save or an
+    evaluation is left to the limits of those phases (dist.timeout, ckpt.hang_warning_s: docs/resilience.md); the
+    checkpoint directory appears before every rank has left the save, so the test waits for the next step."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert launcher.poll() is None, launcher.stdout.read()
+        assert time.monotonic() < deadline, f"rank {rank} never trained past step {after}"
+        path = run_dir(root) / "heartbeats" / f"rank-{rank}.json"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            record = {}
+        if record.get("phase") in ("data_loading", "training_step") and record.get("step", 0) > after:
+            return
+        time.sleep(0.01)
+
+
 @pytest.mark.timeout(420)
 def test_a_stopped_rank_is_named_hung_and_the_rerun_ends_bit_equal(tmp_path):
     skip_unless_ranks_fit(2)
@@ -77,6 +95,7 @@ def test_a_stopped_rank_is_named_hung_and_the_rerun_ends_bit_equal(tmp_path):
     try:
         stopped = rank_pid(root, 1, launcher)
         wait_for_checkpoint(root, 10, launcher)
+        wait_for_training_phase(root, 1, 10, launcher)
         os.kill(stopped, signal.SIGSTOP)
         at = time.monotonic()
         # The uninterrupted run to compare with trains meanwhile: the stopped launch only waits.
