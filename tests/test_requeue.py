@@ -198,7 +198,7 @@ def test_the_live_unfinished_run_of_other_code_is_not_trained_twice(repo, tmp_pa
     slow = tmp_path / "slow"
     slow.touch()
     command = [sys.executable, str(repo / "train.py"), "--workspace.root", str(root), *ARGS]
-    live = zygote.popen(command, env=environment(STEP_SLEEP="0.1", SLOW_WHILE=str(slow)), stdout=subprocess.PIPE,
+    live = zygote.popen(command, env=environment(STEP_SLEEP="1", SLOW_WHILE=str(slow)), stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         while not list(root.glob("*/*/checkpoints/ckpt-s000000000010/manifest.json")):
