@@ -30,7 +30,7 @@ lint: $(STAMP)
 
 # Two workers: most tests wait on the processes they launch (kills, ranks, replica groups), so two keep both cores busy.
 test: lint
-	$(VENV)/bin/pytest -q -n 2 --dist worksteal
+	$(VENV)/bin/pytest -q -n 2 --dist worksteal --durations=30
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
