@@ -119,6 +119,8 @@ def test_array_with_preemption_and_requeue(slurm, tmp_path, monkeypatch):
         losses = tmp_path / "losses" / f"{row.id}.jsonl"
         assert_bit_equal(rows(sweep_dir)[row.id].run_dir, reference, losses, tmp_path / f"ref-{row.id}.jsonl")
     assert Path(sweep_dir / "logs" / f"{plain}.log").read_text().count("==> ") == 1
+    # the task script hands the job its --signal lead, which the training compares with its first save
+    assert "grace window 120s (SLURM's signal lead" in Path(sweep_dir / "logs" / f"{plain}.log").read_text()
 
 
 @pytest.mark.timeout(300)

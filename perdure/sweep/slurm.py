@@ -74,6 +74,8 @@ TASK_SCRIPT = """#!/bin/bash
 # task index -> job id; the task runs `perdure sweep task DIR JOB`, which runs the job and records it in the sweep.
 jobs=({jobs})
 job=${{jobs[$SLURM_ARRAY_TASK_ID]}}
+# The training reads its grace window from this (a job cannot see its own --signal): see docs/resilience.md.
+export SBATCH_SIGNAL=B:USR1@{signal_before}
 {python} -m perdure.cli.main sweep task {sweep_dir} "$job" &
 child=$!
 usr1=0
@@ -140,6 +142,7 @@ def submit(
             jobs=" ".join(row.id for row in rows),
             python=shlex.quote(sys.executable),
             sweep_dir=shlex.quote(str(sweep_dir)),
+            signal_before=signal_before,
         )
         with open(script, "x", encoding="utf-8") as file:
             file.write(text)
