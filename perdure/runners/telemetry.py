@@ -78,11 +78,9 @@ class RunTelemetry:
         self.sidecar.write()
         self.active = False
 
-    def _record_attempt(
-        self, attempt: str, resumed_from: str | None, details: Mapping[str, Any], resumed_step: int | None = None
-    ) -> None:
-        write_metadata(self.run_dir.path, self.config, attempt)
-        self.sidecar = self._new_sidecar(
+    def _sidecar_of_this_run(self) -> Sidecar:
+        """The run's sidecar as on disk (or a new one), named by this run's identity, config and tags."""
+        return self._new_sidecar(
             run_id=self.run_dir.run_id,
             lineage=self.run_dir.lineage,
             code_id=self.run_dir.code_id,
@@ -90,6 +88,12 @@ class RunTelemetry:
             hparams=canonical_config(self.config),
             tags=list(self.config.workspace.tags),
         )
+
+    def _record_attempt(
+        self, attempt: str, resumed_from: str | None, details: Mapping[str, Any], resumed_step: int | None = None
+    ) -> None:
+        write_metadata(self.run_dir.path, self.config, attempt)
+        self.sidecar = self._sidecar_of_this_run()
         previous = self.sidecar.current_attempt
         ran = previous.get("code_id") if previous is not None else None
         if ran and details.get("code_id") and ran != details["code_id"] and self.run_dir.unfinished is None:
@@ -240,14 +244,7 @@ class RunTelemetry:
     def record_hang_for(self, attempt: str, reason: str) -> None:
         """Another rank records the hang of attempt `attempt` because rank 0, which keeps the sidecar, is the stopped
         one: the sidecar on disk ends that attempt `hung` (left alone if it recorded another end meanwhile)."""
-        sidecar = self._new_sidecar(
-            run_id=self.run_dir.run_id,
-            lineage=self.run_dir.lineage,
-            code_id=self.run_dir.code_id,
-            config_id=self.run_dir.config_id,
-            hparams=canonical_config(self.config),
-            tags=list(self.config.workspace.tags),
-        )
+        sidecar = self._sidecar_of_this_run()
         current = sidecar.current_attempt
         if current is not None and current.get("started") == attempt and current.get("status") == "running":
             sidecar.finish_attempt("hung", reason)
