@@ -2,6 +2,7 @@
 
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy
 from perdure.checkpoints.file import FileCheckpointManager
+from perdure.checkpoints.hf_adapter import StateDictAdapter
 from perdure.config import RunnerConfig
 from perdure.data.iterable import NodeDataset
 from perdure.data.loader import ResumableLoader
@@ -64,6 +65,7 @@ __all__ = [
     "RunnerState",
     "SampleFolder",
     "StackNotAvailableError",
+    "StateDictAdapter",
     "TorchRunner",
     "UnsafeFileError",
     "WorkspaceError",

@@ -14,6 +14,7 @@ import yaml
 from perdure.checkpoints.async_save import SaveOutcome
 from perdure.checkpoints.base import Stateful
 from perdure.checkpoints.commit import checkpoint_name, read_pointer
+from perdure.checkpoints.hf_adapter import StateDictAdapter
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.snapshot import storage_key
 from perdure.checkpoints.source import RestoreSource
@@ -285,6 +286,29 @@ class CheckpointingMixin:
     def load_pretrained(self, path: Path, ema: bool = False) -> None:
         """Load model (or EMA) weights only, from an exported `.pth` file or any checkpoint path."""
         load_matching_weights(self.unwrap_model(), read_weights(Path(path), ema=ema), Path(path))
+
+    def state_dict_adapter(self) -> StateDictAdapter | None:
+        """How the model's state dict maps to and from the Hugging Face layout, or None (the default) when the
+        model's own names already are the Hugging Face names (any `transformers.PreTrainedModel`).
+
+        Override it for a model whose names differ (TorchTitan's Llama: return its `Llama3StateDictAdapter`). Called
+        after `__init__` by the `hf` export and when Hugging Face weights are read into the model (`--pretrained`),
+        on any rank that maps weights; it may be called more than once, must return the same mapping each time on
+        every rank, and may not change the model or the runner's state.
+        """
+        return None
+
+    def hf_config(self) -> Any:
+        """The Hugging Face config the `hf` export writes as `config.json` for a model that is not a
+        `transformers.PreTrainedModel` (whose own `config` is used): a `transformers.PretrainedConfig` (written by
+        its `save_pretrained`), or a plain JSON-able dict written as it is (give it `model_type` and `architectures`
+        so `AutoModel*.from_pretrained` finds the class). None (the default): such a model has no `hf` export, and
+        `ckpt.export_format: [hf]` is refused before training starts.
+
+        Called on the main process, after `__init__`, before training (to check it) and by the export; it may not
+        change the model or the runner's state.
+        """
+        return None
 
     def export_model(self) -> Path | None:
         """Write `model.pth` (and `model-ema.pth` with EMA) into the run dir, cast to `ckpt.export_dtype`; also
