@@ -47,6 +47,7 @@ from perdure.runners.checkpointing import load_matching_weights
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.export import read_weights
 from perdure.runners.loss_parallel import local_loss, loss_context
+from perdure.runners.meta_init import check_initialisable, is_meta_model
 from perdure.runners.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -157,7 +158,8 @@ class ParallelRunner(TorchRunner):
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # compiled by hand: compile.* applies per block
             model = model._orig_mod
         slots = parameter_slots(self.optimizer, model)  # where each parameter lives, found again after sharding
-        if self.restore_source.kind == "pretrained":  # into the whole model, under its own names, before any split
+        meta = is_meta_model(model)  # built on the meta device: each rank allocates its shards once they are cut
+        if self.restore_source.kind == "pretrained" and not meta:  # into the whole model, before any split
             load_matching_weights(model, self._pretrained_weights, self.restore_source.path)
             del self._pretrained_weights
         self.mesh = device_mesh(self.topology, self.device.type)
@@ -168,6 +170,8 @@ class ParallelRunner(TorchRunner):
             self.apply_activation_checkpointing(part)
             self.apply_compile(part)
             apply_fsdp(part, self.model_blocks(part), self.fsdp_mesh(), **self.fsdp_kwargs())
+        if meta:
+            self.materialise_model(parts)
         self.model_parts = parts
         self.model = parts[0] if len(parts) == 1 else ModelParts(parts)
         old = self.optimizer
@@ -180,6 +184,28 @@ class ParallelRunner(TorchRunner):
             self.pipeline = self._build_pipeline(parts)
         held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.model.parameters())
         self.logger.info("parallel: %s; rank 0 holds %d parameter values", self.topology.describe(), held)
+
+    def place_model(self) -> None:
+        """As every stack's, except for a model built on the meta device: it stays there (checked that something
+        initialises it) until `distribute_model` has sharded it; then each rank allocates and initialises only its
+        shards (`materialise_model`)."""
+        if not is_meta_model(self.model):
+            return super().place_model()
+        check_initialisable(self.model)
+        if isinstance(self.criterion, nn.Module):
+            self.criterion.to(self.device)
+
+    def materialise_model(self, parts: list[nn.Module]) -> None:
+        """Every stack's (allocate this rank's shards, initialise them the same on every topology); with
+        `--pretrained`, the full weights then replace the initial values, each rank keeping its shards."""
+        super().materialise_model(parts)
+        if self.restore_source.kind == "pretrained":
+            self._load_full_weights(parts, self._pretrained_weights, self.restore_source.path)
+            del self._pretrained_weights
+
+    def init_module(self) -> AbstractContextManager:
+        """The meta device: the model is built without storage, sharded, then each rank allocates its shards."""
+        return torch.device("meta")
 
     def split_pipeline(self, model: nn.Module, mesh: Any) -> list[nn.Module]:
         """Called in `distribute_model` when `parallel.axes.pipeline` > 1: this rank's stages of the whole model.
@@ -403,8 +429,10 @@ class ParallelRunner(TorchRunner):
 
     def load_pretrained(self, path: Path, ema: bool = False) -> None:
         """Load full model (or EMA) weights into the sharded model: every rank reads the file, keeps its shards."""
-        weights = read_weights(Path(path), ema=ema)
-        for part in self.model_parts:
+        self._load_full_weights(self.model_parts, read_weights(Path(path), ema=ema), path)
+
+    def _load_full_weights(self, parts: list[nn.Module], weights: Mapping[str, torch.Tensor], path: Path) -> None:
+        for part in parts:
             missing = [key for key in part.state_dict() if key not in weights]
             if missing:
                 raise PerdureError(f"the weights in {path} lack {', '.join(missing[:5])} of this model")

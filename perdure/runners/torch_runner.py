@@ -18,6 +18,8 @@ from perdure.errors import ConfigError
 from perdure.runners.accumulation import check_loss_normalization
 from perdure.runners.base import BaseRunner
 from perdure.runners.compile import compile_model, uncompiled
+from perdure.runners.ema import ExponentialMovingAverage
+from perdure.runners.meta_init import check_initialisable, initialise, is_meta_model, materialise
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
@@ -84,11 +86,35 @@ class TorchRunner(BaseRunner):
         return NO_CONTEXT
 
     def place_model(self) -> None:
-        self.model.to(self.device)
-        if self.ema is not None:  # an EMA the user built in __init__, before the model moved
+        """Move the model to the device; a model built on the meta device is allocated there and initialised
+        instead (`materialise_model`)."""
+        meta = is_meta_model(self.model)
+        if meta:
+            check_initialisable(self.model)
+            self.materialise_model([self.model])
+        else:
+            self.model.to(self.device)
+        if self.ema is not None and meta:  # an EMA the user built in __init__ of the model on meta: of its values now
+            self.ema = ExponentialMovingAverage(self.unwrap_model(), self.ema.decay)
+        elif self.ema is not None:  # an EMA the user built in __init__, before the model moved
             self.ema.to(self.device)
         if self.criterion is not None and isinstance(self.criterion, torch.nn.Module):
             self.criterion.to(self.device)
+
+    def materialise_model(self, parts: list[torch.nn.Module]) -> None:
+        """Called for a model built on the meta device once its parameters are where they will live (the torch
+        stack: in `place_model`; the parallel stack: after sharding, with this rank's stages): allocate them on
+        `self.device` and initialise them with the model's `init_weights()` or each submodule's
+        `reset_parameters()`, every draw seeded by `seed` and the tensor's name, so every topology starts from the
+        same weights (`perdure.runners.meta_init`). Must keep the parameter objects and must not communicate."""
+        materialise(parts, self.device)
+        initialise(parts, self.config.seed, self.device)
+
+    def init_module(self) -> AbstractContextManager:
+        """The context to build the model in, in `__init__` (`with self.init_module(): self.model = Net()`): on the
+        torch stack the training device, so a GPU model is built there directly. Stacks that shard the model build
+        it without holding it whole (the parallel stack: on the meta device; DeepSpeed ZeRO-3: partitioned)."""
+        return self.device
 
     def autocast(self) -> AbstractContextManager:
         if self.autocast_dtype is None:

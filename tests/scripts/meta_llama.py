@@ -1,0 +1,100 @@
+"""examples/llama.py built the way TorchTitan builds a model larger than one device: under `torch.device("meta")`, with
+TorchTitan's `init_weights(buffer_device=...)` (the RoPE tables recomputed, every weight drawn in place), as tests
+launch it.
+
+Environment knobs (tests only):
+  BUILD            meta (default): under `self.init_module()`; eager: on the CPU as usual; bare: on meta, a model
+                   class without init_weights whose root owns the RoPE buffers (what the runner must refuse)
+  KILL_AT_STEP     SIGKILL this very process when `global_step` reaches this value (every rank at the same step)
+  INITIAL_WEIGHTS  rank 0 writes the whole model's weights and buffers there once the runner is built (before any step)
+  PEAK_RSS         each rank writes its peak resident memory (bytes) once the runner is built ("{rank}" replaced)
+  SETUP_ONLY       build the runner, write the above and stop (no training)
+"""
+
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import llama  # noqa: E402  (examples/llama.py)
+
+
+class Config(llama.Config):
+    def __init__(self):
+        super().__init__()
+        self.steps = 10
+        self.ckpt.interval = 5
+        self.log.interval = 5
+        self.dataloader.batch_size = 4
+        self.model.dim = 16
+        self.model.heads = 2
+        self.model.hidden = 32
+        self.model.seq_len = 8
+        self.model.vocab = 32
+        self.data.tokens = 700
+
+
+class MetaLlama(llama.Llama):
+    """TorchTitan's convention: the constructor only declares the tensors; `init_weights` gives them their values."""
+
+    def __init__(self, vocab, dim, layers, heads, hidden, seq_len, theta):
+        super().__init__(vocab, dim, layers, heads, hidden, seq_len, theta)
+        self.rope = (dim // heads, seq_len, theta)
+
+    def init_weights(self, buffer_device=None):
+        with torch.device(buffer_device or self.rope_cos.device):
+            self.rope_cos, self.rope_sin = llama.rope_tables(*self.rope)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight)
+            elif isinstance(module, nn.RMSNorm):
+                module.reset_parameters()
+
+
+class BareLlama(llama.Llama):
+    """No init_weights, and the root module (no reset_parameters) owns the RoPE buffers."""
+
+
+class TestRunner(llama.LlamaRunner):
+    def __init__(self, config):
+        super().__init__(config)
+        build = os.environ.get("BUILD", "meta")
+        if build == "eager":
+            return
+        m = config.model
+        model_class = BareLlama if build == "bare" else MetaLlama
+        with self.init_module():
+            self.model = model_class(m.vocab, m.dim, m.layers, m.heads, m.hidden, m.seq_len, m.rope_theta)
+
+    def forward_backward(self, window):
+        if self.state.global_step == int(os.environ.get("KILL_AT_STEP", "-1")):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward_backward(window)
+
+
+def full_weights(model):
+    """The state dict (gathered) and the buffers, non-persistent ones (RoPE) included."""
+    tensors = {**model.state_dict(), **dict(model.named_buffers())}
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in tensors.items()}
+
+
+if __name__ == "__main__":
+    runner = TestRunner(Config().parse())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kibibytes
+    if os.environ.get("PEAK_RSS"):
+        Path(os.environ["PEAK_RSS"].replace("{rank}", str(runner.rank))).write_text(str(peak))
+    if os.environ.get("INITIAL_WEIGHTS"):
+        weights = full_weights(runner.model)
+        if runner.rank == 0:
+            torch.save({key: value.cpu() for key, value in weights.items()}, os.environ["INITIAL_WEIGHTS"])
+    if not os.environ.get("SETUP_ONLY"):
+        runner.train()
