@@ -3,16 +3,16 @@ TorchTitan's `init_weights(buffer_device=...)` (the RoPE tables recomputed, ever
 launch it.
 
 Environment knobs (tests only):
-  BUILD            meta (default): under `self.init_module()`; eager: on the CPU as usual; bare: on meta, a model
+  BUILD            meta (default): under `self.init_module()`; eager: the same model on the CPU; bare: on meta, a model
                    class without init_weights whose root owns the RoPE buffers (what the runner must refuse)
   KILL_AT_STEP     SIGKILL this very process when `global_step` reaches this value (every rank at the same step)
   INITIAL_WEIGHTS  rank 0 writes the whole model's weights and buffers there once the runner is built (before any step)
-  PEAK_RSS         each rank writes its peak resident memory (bytes) once the runner is built ("{rank}" replaced)
+  PEAK_RSS         each rank writes how far its resident memory rose above its start (bytes: the peak from the start
+                   of the program to the model built, sharded and materialised; /proc/self/status), "{rank}" replaced
   SETUP_ONLY       build the runner, write the above and stop (no training)
 """
 
 import os
-import resource
 import signal
 import sys
 from pathlib import Path
@@ -66,14 +66,24 @@ class BareLlama(llama.Llama):
 
 class TestRunner(llama.LlamaRunner):
     def __init__(self, config):
-        super().__init__(config)
+        super(llama.LlamaRunner, self).__init__(config)  # LlamaRunner's own builds its model eagerly: not called
+        m = config.model
         build = os.environ.get("BUILD", "meta")
         if build == "eager":
-            return
-        m = config.model
-        model_class = BareLlama if build == "bare" else MetaLlama
-        with self.init_module():
-            self.model = model_class(m.vocab, m.dim, m.layers, m.heads, m.hidden, m.seq_len, m.rope_theta)
+            self.model = MetaLlama(m.vocab, m.dim, m.layers, m.heads, m.hidden, m.seq_len, m.rope_theta)
+        else:
+            with self.init_module():
+                model_class = BareLlama if build == "bare" else MetaLlama
+                self.model = model_class(m.vocab, m.dim, m.layers, m.heads, m.hidden, m.seq_len, m.rope_theta)
+        self.criterion = llama.cross_entropy
+        self.datasets["train"] = llama.TokenWindows(config.data.tokens, m.vocab, m.seq_len, seed=0)
+        self.datasets["val"] = llama.TokenWindows(config.data.tokens // 8, m.vocab, m.seq_len, seed=1)
+
+    def distribute_model(self):
+        super().distribute_model()
+        if os.environ.get("PEAK_RSS"):  # the model is built, sharded and (on meta) materialised now
+            path = Path(os.environ["PEAK_RSS"].replace("{rank}", str(self.rank)))
+            path.write_text(str(memory("VmHWM") - START_RSS))
 
     def forward_backward(self, window):
         if self.state.global_step == int(os.environ.get("KILL_AT_STEP", "-1")):
@@ -87,11 +97,20 @@ def full_weights(model):
     return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in tensors.items()}
 
 
+def memory(field):
+    """VmRSS (resident now) or VmHWM (peak resident) of this process, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(field)
+
+
 if __name__ == "__main__":
-    runner = TestRunner(Config().parse())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kibibytes
     if os.environ.get("PEAK_RSS"):
-        Path(os.environ["PEAK_RSS"].replace("{rank}", str(runner.rank))).write_text(str(peak))
+        # The peak from here on: a process forked from the test zygote starts with the zygote's pages and peak.
+        Path("/proc/self/clear_refs").write_text("5")
+        START_RSS = memory("VmRSS")
+    runner = TestRunner(Config().parse())
     if os.environ.get("INITIAL_WEIGHTS"):
         weights = full_weights(runner.model)
         if runner.rank == 0:

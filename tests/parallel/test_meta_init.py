@@ -1,0 +1,86 @@
+"""A Llama built on the meta device (TorchTitan's way: tests/scripts/meta_llama.py, `init_weights(buffer_device=)`) on
+stack=parallel: each rank allocates and initialises only its shards. It starts from the same weights on 1 rank, on
+FSDP2 (2 ranks) and on FSDP2 x TP (4 ranks), RoPE buffers included; killed at step 7 and rerun it ends bit-equal to an
+uninterrupted run; a rank's peak memory once the runner is built stays below the eager construction's by more than
+half the model; and a meta model that nothing initialises is refused, naming the module."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from perdure.loggers.metrics_csv import read_metrics_csv
+from tests.runs import assert_all_ok, assert_same_weights, final_weights, run_dir, run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import llama  # noqa: E402  (examples/llama.py)
+
+COMMON = ("--dist.timeout", "60")
+TOPOLOGIES = {"fsdp2": (2, ()), "fsdp2-tp": (4, ("--parallel.axes.tensor", "2"))}
+# ~26M parameters (103 MB in fp32), a small vocabulary: the data's bigram table (vocab x vocab) stays small
+BIG = ("--model.dim", "512", "--model.heads", "8", "--model.hidden", "2048", "--model.layers", "6")
+BIG += ("--model.vocab", "512", "--data.tokens", "200")
+BIG_BYTES = 4 * (512 * 512 * 2 + 6 * (4 * 512 * 512 + 3 * 512 * 2048) + 13 * 512)
+
+
+def losses(root):
+    rows = read_metrics_csv(run_dir(root) / "metrics.csv")
+    return {step: value for step, split, name, value in rows if (split, name) == ("train", "loss")}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The initial weights (and buffers) of a 1-rank run of the same seed."""
+    path = tmp_path_factory.mktemp("one-rank")
+    assert_all_ok(run_ranks(1, "meta_llama.py", path / "runs", *COMMON, INITIAL_WEIGHTS=path / "initial.pt",
+                            SETUP_ONLY="1"))  # fmt: skip
+    return torch.load(path / "initial.pt", weights_only=True)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", sorted(TOPOLOGIES))
+def test_meta_model_starts_as_on_one_rank_and_resumes_bit_for_bit(tmp_path, one_rank, case):
+    ranks, axes = TOPOLOGIES[case]
+    args = (*COMMON, *axes)
+    initial = tmp_path / "initial.pt"
+    assert_all_ok(run_ranks(ranks, "meta_llama.py", tmp_path / "reference", *args, INITIAL_WEIGHTS=initial))
+    assert_same_weights(one_rank, torch.load(initial, weights_only=True))
+    # The RoPE tables are non-persistent buffers: init_weights recomputed them on every rank.
+    cos, sin = llama.rope_tables(8, 8, 10000.0)
+    assert torch.equal(one_rank["rope_cos"], cos) and torch.equal(one_rank["rope_sin"], sin)
+
+    killed = run_ranks(ranks, "meta_llama.py", tmp_path / "killed", *args, KILL_AT_STEP="7")
+    assert all(result.returncode == -9 for result in killed), [result.stdout[-2000:] for result in killed]
+    rerun = run_ranks(ranks, "meta_llama.py", tmp_path / "killed", *args)
+    assert_all_ok(rerun)
+    assert "resuming from" in rerun[0].stdout and "ckpt-s000000000005" in rerun[0].stdout, rerun[0].stdout
+    assert_same_weights(final_weights(tmp_path / "reference"), final_weights(tmp_path / "killed"))
+    assert losses(tmp_path / "reference") == losses(tmp_path / "killed")
+    first = losses(tmp_path / "reference")
+    assert first[10] < first[5] and all(torch.isfinite(torch.tensor(list(first.values()))))
+
+
+@pytest.mark.timeout(300)
+def test_meta_construction_holds_less_than_the_eager_one_by_half_the_model(tmp_path):
+    """How far each rank's resident memory rose from the start of the program to the model built, sharded and
+    materialised (the eager construction holds the whole model, then its shards)."""
+    peaks = {}
+    for build in ("eager", "meta"):
+        assert_all_ok(run_ranks(2, "meta_llama.py", tmp_path / build, *COMMON, *BIG, BUILD=build, SETUP_ONLY="1",
+                                PEAK_RSS=tmp_path / f"{build}-{{rank}}"))  # fmt: skip
+        peaks[build] = [int((tmp_path / f"{build}-{rank}").read_text()) for rank in range(2)]
+    for rank in range(2):
+        saved = peaks["eager"][rank] - peaks["meta"][rank]
+        assert saved > BIG_BYTES / 2, f"rank {rank}: {peaks}, the model is {BIG_BYTES} bytes"
+
+
+@pytest.mark.timeout(120)
+def test_a_meta_model_that_nothing_initialises_is_refused(tmp_path):
+    result = run_ranks(1, "meta_llama.py", tmp_path, *COMMON, BUILD="bare", SETUP_ONLY="1")[0]
+    assert result.returncode != 0
+    assert "config key 'model' = 'BareLlama built on the meta device'" in result.stdout, result.stdout[-3000:]
+    assert "the model (BareLlama: rope_cos, rope_sin)" in result.stdout and "init_weights()" in result.stdout
