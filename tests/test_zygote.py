@@ -87,6 +87,41 @@ def test_exit_codes_and_a_traceback_come_back_as_from_a_new_interpreter(program)
     assert "Traceback" in raised.stderr and "ValueError: raised by the program" in raised.stderr
 
 
+ENDING = """
+import atexit, os, sys, threading, time
+atexit.register(lambda: print("atexit ran"))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined"))).start()
+print("buffered", end="")
+sys.stderr.write("stderr unflushed")
+how = os.environ["END_WITH"]
+if how == "message":
+    sys.exit("a message")
+if how == "interrupt":
+    raise KeyboardInterrupt
+sys.exit(int(how))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_program_ends_as_in_a_new_interpreter(tmp_path):
+    """The forked child skips the teardown of the zygote's modules, nothing else: the program's atexit handlers and
+    threads finish, its buffered output is written, and its status and last words are those `python ending.py`
+    has (sys.exit(-1) is 255, a message is printed and exits 1, an uncaught KeyboardInterrupt dies of SIGINT)."""
+    path = tmp_path / "ending.py"
+    path.write_text(ENDING)
+    quiet = "stderr unflushed"
+    expected = {"0": (0, quiet), "7": (7, quiet), "-1": (255, quiet), "message": (1, "a message")}
+    expected["interrupt"] = (-signal.SIGINT, "KeyboardInterrupt")
+    for how, (status, last_line) in expected.items():
+        env = {key: value for key, value in environment(END_WITH=how).items() if key != "PYTHONUNBUFFERED"}
+        forked = zygote.popen([sys.executable, str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert isinstance(forked, zygote.ForkedProcess)
+        out, err = forked.communicate(timeout=30)
+        assert forked.returncode == status, (how, err)
+        assert out == b"bufferedthread joined\natexit ran\n", (how, out)
+        assert err.startswith(quiet.encode()) and err.decode().splitlines()[-1].endswith(last_line), (how, err)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_a_signal_kills_the_forked_program_and_its_status_says_so(program, signum):

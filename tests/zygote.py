@@ -14,12 +14,15 @@ know, a variable that torch or Python reads at import time set otherwise than in
 PYTHONPATH, PYTHONFAULTHANDLER and PYTHONUNBUFFERED are applied in the child), CUDA visible (the GPU checks stay
 faithful), or PERDURE_TEST_FRESH_PROCESSES=1 in the test's environment (every launch a new interpreter).
 The child is a real process: SIGKILL and SIGTERM reach it, and its exit status comes back as from `subprocess.Popen`.
-What differs from a new interpreter: /proc/PID/cmdline names the zygote, and the children share one hash seed."""
+What differs from a new interpreter: /proc/PID/cmdline names the zygote, the children share one hash seed, and a
+child skips the interpreter's final teardown (after its atexit handlers, with its streams flushed): an object still
+alive then is not finalized, so a file the program left open loses what it never flushed."""
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import json
 import os
 import selectors
@@ -81,6 +84,7 @@ def serve(path: str) -> dict | None:
                 request = json.loads(message)
                 sys.stdout.flush()
                 sys.stderr.flush()
+                gc.freeze()  # the child's collections skip what it inherits (and leave those pages shared)
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
@@ -375,7 +379,50 @@ def run(
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+# ---------------------------------------------------------------------------------------------------- the end
+
+_CHILD_EXIT: list[int | str] = []  # in a forked child: the status its interpreter would exit with, once known
+
+
+def _end_without_teardown() -> None:
+    """The last atexit handler of a forked child (registered before the zygote's imports): every other handler has
+    run and the non-daemon threads are joined, as in a new interpreter; what remains is tearing down the modules the
+    zygote imported, which writes to every inherited page (~1 s a launch). The child flushes its streams and exits
+    with the status that interpreter would have, without it."""
+    if not _CHILD_EXIT:
+        return  # the zygote itself, or a child that has not run its program
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass  # closed, or a broken pipe: the interpreter would not have written it either
+    if _CHILD_EXIT[0] == "SIGINT":  # an uncaught KeyboardInterrupt: Python ends by the signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(int(_CHILD_EXIT[0]) & 0xFF)
+
+
+def _exit_status(stop: SystemExit) -> int:
+    """The status `python program.py` exits with for this SystemExit (its message, if any, is printed by Python)."""
+    if stop.code is None:
+        return 0
+    return stop.code if isinstance(stop.code, int) else 1
+
+
 if __name__ == "__main__":
+    atexit.register(_end_without_teardown)
     child_request = serve(sys.argv[1])
     if child_request is not None:
-        become(child_request)
+        try:
+            become(child_request)
+        except SystemExit as stop:
+            _CHILD_EXIT.append(_exit_status(stop))
+            raise
+        except KeyboardInterrupt:
+            _CHILD_EXIT.append("SIGINT")
+            raise
+        except BaseException:
+            _CHILD_EXIT.append(1)
+            raise
+        _CHILD_EXIT.append(0)
