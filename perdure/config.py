@@ -61,7 +61,7 @@ PROGRESS_MODES = ("auto", "bar", "lines")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-EXPORT_FORMATS = ("pth", "safetensors")
+EXPORT_FORMATS = ("pth", "safetensors", "hf")
 LOSS_NORMALIZATIONS = ("mean", "tokens")  # perdure.runners.accumulation
 LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory")
 
@@ -157,7 +157,7 @@ class RunnerConfig(chanfig.Config):
         self.ckpt.device_staging = "auto"  # async saves on a GPU: auto copies the state on it first if it has room; off
         self.ckpt.on_error = "warn"  # a failed periodic save: warn and train on, or raise
         self.ckpt.hang_warning_s = 300.0  # warn when a save writes nothing for this long (a hung filesystem); 0: never
-        self.ckpt.export_format = ["pth"]  # what the final export writes: pth and / or safetensors
+        self.ckpt.export_format = ["pth"]  # what the final export writes: pth, safetensors, hf (a directory)
         self.ckpt.mirror = None  # object-store URL (s3://bucket/prefix) each committed checkpoint is uploaded to
         self.ckpt.mirror_every = 1  # upload every N-th committed checkpoint (final and preemption ones always)
         self.ckpt.mirror_drain_s = 600.0  # when training ends, wait at most this long for uploads still in flight
@@ -468,7 +468,9 @@ class RunnerConfig(chanfig.Config):
         formats = [formats] if isinstance(formats, str) else formats
         if not isinstance(formats, list) or not formats or not all(f in EXPORT_FORMATS for f in formats):
             raise ConfigError(
-                "ckpt.export_format", get("ckpt.export_format"), "use pth, safetensors or both: [pth, safetensors]"
+                "ckpt.export_format",
+                get("ckpt.export_format"),
+                "use pth, safetensors, hf or a list of them: [pth, hf]",
             )
         self._check_parallel(c.get("parallel", {}))
         self.check_user_keys()

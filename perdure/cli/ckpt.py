@@ -3,6 +3,7 @@
     perdure ckpt ls RUN                       every committed checkpoint, newest first, with its verification
     perdure ckpt verify RUN|CKPT              exit 1 if any checkpoint or pointer fails; says which file and how
     perdure ckpt export CKPT OUT.pth|OUT.safetensors [--dtype bf16] [--ema]
+    perdure ckpt export CKPT OUT_DIR --format hf    a directory transformers' from_pretrained loads
     perdure ckpt prune RUN --keep K [--dry-run]
 
 RUN is a run directory or its `checkpoints/` directory, or the run's URL in its mirror (`ckpt.mirror`; see
@@ -33,12 +34,13 @@ from perdure.checkpoints.commit import (
     read_pointer,
     verify_checkpoint,
 )
+from perdure.checkpoints.hf_export import HF_META, read_hf_meta, write_hf_dir
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.cli.ckpt_mirror import is_url, location, mirror_export, mirror_ls, mirror_prune, mirror_verify, on_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
-from perdure.runners.export import EXPORT_DTYPES, export_weights, read_weights, save_safetensors
+from perdure.runners.export import EXPORT_DTYPES, cast_weights, export_weights, read_weights, save_safetensors
 from perdure.safe_io import echo, escape_terminal, read_regular, safe_name
 
 EXPORT_SUFFIXES = (".pth", ".safetensors")
@@ -72,8 +74,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="checkpoint dir, a run / checkpoints dir (its latest), or RUN/best, RUN/latest; any backend; or the same "
         "in a mirror (s3://...)",
     )
-    export.add_argument("out", type=Path, help="output file (.pth or .safetensors)")
-    export.add_argument("--format", choices=("pth", "safetensors"), help="output format (default: from OUT's suffix)")
+    export.add_argument("out", type=Path, help="output file (.pth or .safetensors), or directory with --format hf")
+    export.add_argument(
+        "--format",
+        choices=("pth", "safetensors", "hf"),
+        help="output format (default: from OUT's suffix); hf: a save_pretrained directory",
+    )
     export.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating-point tensors")
     export.add_argument("--ema", action="store_true", help="export the EMA weights instead of the model's")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -371,6 +377,8 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str, dict[st
 def _output_format(out: Path, requested: str | None) -> str:
     """The output format, pth or safetensors: OUT's suffix, or `--format` (which must agree with a known suffix)."""
     from_suffix = {".pth": "pth", ".safetensors": "safetensors"}.get(out.suffix)
+    if requested == "hf" and from_suffix:
+        raise PerdureError(f"--format hf writes a directory, but {out} ends in {out.suffix}; give a directory name")
     if requested and from_suffix and requested != from_suffix:
         raise PerdureError(f"--format {requested} but {out} ends in {out.suffix}; use a matching name or drop one")
     if not (requested or from_suffix):
@@ -386,6 +394,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     fmt = _output_format(out, args.format)
     if out.exists() and not args.force:
         raise PerdureError(f"{out} exists; pass --force to replace it")
+    if fmt == "hf":
+        return _export_hf(args, out)
     if out.is_dir():
         raise PerdureError(f"{out} is a directory; give a file name ending in {' or '.join(EXPORT_SUFFIXES)}")
     weights, source, published = _source_weights(args.checkpoint.expanduser(), args.ema)
@@ -401,6 +411,25 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"exported {what} of {source}{cast} to {out}: {len(weights)} tensors, {count:,} values, "
         f"{human_size(out.stat().st_size)}"
     )
+    return 0
+
+
+def _export_hf(args: argparse.Namespace, out: Path) -> int:
+    """`--format hf`: the checkpoint's weights with the Hugging Face config its training program stored (`hf.json`)."""
+    path = args.checkpoint.expanduser()
+    if not path.exists() and path.name in POINTERS and (path.parent / "checkpoints" / path.name).is_file():
+        path = path.parent / "checkpoints" / path.name
+    if path.is_file() and path.name not in POINTERS:
+        raise CheckpointError(f"{path} is a weights file; --format hf needs a checkpoint (its {HF_META} config)")
+    meta = read_hf_meta(resolve_path(path).path)
+    weights, source, _ = _source_weights(path, args.ema)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_hf_dir(out, cast_weights(weights, args.dtype), meta, source)
+    what = "EMA weights" if args.ema else "model weights"
+    cast = f" as {args.dtype}" if args.dtype else ""
+    size = sum(file.stat().st_size for file in out.iterdir())
+    echo(f"exported {what} of {source}{cast} to {out}/ (Hugging Face, {meta['config']['model_type']}): "
+         f"{len(list(out.iterdir()))} files, {human_size(size)}")  # fmt: skip
     return 0
 
 

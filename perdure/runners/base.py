@@ -183,6 +183,7 @@ class BaseRunner(
         if self.model is None:
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.model before it returns")
         self._check_checkpointed()
+        self._check_hf_export()
         # The model was initialised from `seed` on every rank alike; from here on each rank draws its own stream
         # (dropout masks differ across ranks; rank 0 keeps the stream of a single-process run).
         stream = self.random_stream()
@@ -564,7 +565,7 @@ class BaseRunner(
         self.save_checkpoint("final")
         self._report_saves(self.checkpoints.close())
         if self.config.ckpt.enabled:
-            self.export_model()  # every rank: a sharded model is gathered collectively
+            self.write_final_exports()  # every rank: a sharded model is exported collectively
         self.logger.info(
             "finished at step %d (epoch %d); run dir %s", self.state.global_step, self.state.epoch, self.run_dir.path
         )

@@ -15,6 +15,7 @@ from perdure.checkpoints.async_save import SaveOutcome
 from perdure.checkpoints.base import Stateful
 from perdure.checkpoints.commit import checkpoint_name, read_pointer
 from perdure.checkpoints.hf_adapter import StateDictAdapter
+from perdure.checkpoints.hf_export import HF_META
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.snapshot import storage_key
 from perdure.checkpoints.source import RestoreSource
@@ -25,6 +26,7 @@ from perdure.resilience.grace import GraceCheck, find_grace
 from perdure.resilience.hang_watch import watched_phase
 from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
 from perdure.runners.export import export_weights, read_weights, save_safetensors
+from perdure.runners.hf_export import check_hf_export, export_hf, hf_metadata, hf_requested
 from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
 from perdure.safe_io import read_yaml
@@ -121,7 +123,7 @@ class CheckpointingMixin:
                 self.checkpoint_local_states(),
                 meta=meta,
                 is_best=is_best,
-                texts={"config.yaml": yaml.safe_dump(self.config.to_plain(), sort_keys=True)},
+                texts=self._checkpoint_texts(),
                 persistent=reason != "interval" or is_best,
                 deferred=self._tensors_changed_by_step(),
             )
@@ -141,6 +143,13 @@ class CheckpointingMixin:
             else:
                 self.logger.info("snapshotted %s (%s) in %.3fs; writing in the background", path.name, reason, seconds)
         return path
+
+    def _checkpoint_texts(self) -> dict[str, str]:
+        """The small text files of each checkpoint: its config, and `hf.json` when `ckpt.export_format` has hf."""
+        texts = {"config.yaml": yaml.safe_dump(self.config.to_plain(), sort_keys=True)}
+        if hf_requested(self):
+            texts[HF_META] = hf_metadata(self)
+        return texts
 
     def _position_name(self) -> str:
         """The checkpoint name of the current position: `ckpt-e…` at an epoch end in epoch mode, else `ckpt-s…`."""
@@ -310,6 +319,27 @@ class CheckpointingMixin:
         """
         return None
 
+    def write_final_exports(self) -> None:
+        """When training completes, on every rank: `export_model()` for the pth / safetensors formats of
+        `ckpt.export_format`, `export_hf()` for hf."""
+        formats = self.config.ckpt.export_format
+        formats = [formats] if isinstance(formats, str) else formats
+        if "pth" in formats or "safetensors" in formats:
+            self.export_model()
+        if "hf" in formats:
+            self.export_hf()
+
+    def export_hf(self, target: str | Path | None = None) -> Path | None:
+        """Write a directory `transformers.AutoModel*.from_pretrained` loads (`target`, default `<run dir>/hf`, and
+        `hf-ema` beside it with EMA), cast to `ckpt.export_dtype`: a `PreTrainedModel` through `save_pretrained`, any
+        other model through `state_dict_adapter().to_hf` and `hf_config()`. Sharded models are written shard by shard
+        (runners/hf_export.py). Called on every rank (collective); returns the directory on the main process."""
+        return export_hf(self, None if target is None else Path(target))
+
+    def _check_hf_export(self) -> None:
+        """In `__post_init__`: refuse `ckpt.export_format: [hf]` for a model with no Hugging Face config."""
+        check_hf_export(self)
+
     def export_model(self) -> Path | None:
         """Write `model.pth` (and `model-ema.pth` with EMA) into the run dir, cast to `ckpt.export_dtype`; also
         `model.safetensors` (`model-ema.safetensors`) when `ckpt.export_format` includes safetensors.
@@ -322,7 +352,7 @@ class CheckpointingMixin:
         ema = self.ema.weights() if self.ema is not None else None
         return self.write_exports(plain_state_dict(self.unwrap_model()), ema)
 
-    def write_exports(self, weights: dict[str, torch.Tensor], ema: dict[str, torch.Tensor] | None) -> Path:
+    def write_exports(self, weights: dict[str, torch.Tensor], ema: dict[str, torch.Tensor] | None) -> Path | None:
         """Write full (unsharded) weights, and EMA weights when given, in every format of `ckpt.export_format`."""
         dtype, formats = self.config.ckpt.export_dtype, self.config.ckpt.export_format
         formats = [formats] if isinstance(formats, str) else formats
@@ -336,7 +366,7 @@ class CheckpointingMixin:
                 # published with the file: the run and the checkpoint of these weights, no path of this machine
                 metadata = {"format": "pt", "run": self.run_dir.run_id, "checkpoint": self._position_name()}
                 written.append(save_safetensors(state, self.run_dir.path / f"{name}.safetensors", dtype, metadata))
-        return written[0]
+        return written[0] if written else None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config_class: type[RunnerConfig] = RunnerConfig) -> BaseRunner:

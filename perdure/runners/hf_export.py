@@ -1,0 +1,283 @@
+"""The `hf` export: `<run dir>/hf/` (and `hf-ema/` with EMA), a directory `transformers.AutoModel*.from_pretrained`
+loads, written at the end of training when `ckpt.export_format` includes `hf`.
+
+How the weights get there depends on where they live (the bytes and the directory's layout: checkpoints/hf_export.py):
+
+    one process, DDP         the main process holds the full weights: a `transformers.PreTrainedModel` writes them
+                             through its own `save_pretrained(state_dict=...)`; any other model through its adapter's
+                             `to_hf` and the config `hf_config()` returns
+    parallel (FSDP2, TP, PP) every rank writes its own shards through torch DCP's `HuggingFaceStorageWriter`; rank 0
+                             then consolidates them into the final files one tensor at a time. No rank gathers the
+                             model (the adapter's `to_hf` gets the state dict of DTensors, as TorchTitan's do)
+    DeepSpeed (ZeRO 1-3)     parameter by parameter: every rank gathers one fp32 parameter
+                             (`deepspeed.utils.safe_get_full_fp32_param`), rank 0 adds it to the shard file it
+                             belongs to and writes the file once full: at most one shard file and one parameter in
+                             memory. With an adapter, `to_hf` needs the whole state dict: rank 0 then holds it
+
+Each checkpoint of such a run also holds `hf.json` (the config, generation config, which keys are tied, and the
+adapter's class), so `perdure ckpt export CKPT OUT --format hf` writes the same directory without the program.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from perdure.checkpoints.hf_export import (
+    HFShardWriter,
+    check_hf_config,
+    is_hf_model,
+    plan_shards,
+    publish,
+    staging_dir,
+    tensor_bytes,
+    write_config,
+    write_state_dict,
+)
+from perdure.distributed.collectives import all_gather_object, barrier, broadcast_object, is_distributed
+from perdure.errors import ConfigError
+from perdure.runners.compile import plain_name, uncompiled
+from perdure.runners.export import EXPORT_DTYPES, cast_weights
+
+if TYPE_CHECKING:
+    from perdure.runners.base import BaseRunner
+
+HF_DIR, HF_EMA_DIR = "hf", "hf-ema"
+SHARDED_DIR = "sharded"  # where HuggingFaceStorageWriter puts each rank's files before consolidating them
+
+
+def hf_requested(runner: BaseRunner) -> bool:
+    formats = runner.config.ckpt.export_format
+    return "hf" in ([formats] if isinstance(formats, str) else formats)
+
+
+def check_hf_export(runner: BaseRunner) -> None:
+    """Before anything is written: a model that is not a `transformers.PreTrainedModel` can be exported as `hf` only
+    with the config its program gives (`hf_config()`)."""
+    if not hf_requested(runner) or is_hf_model(uncompiled(runner.model)):
+        return
+    name = type(runner).__name__
+    config = runner.hf_config()
+    if config is None:
+        raise ConfigError(
+            "ckpt.export_format",
+            runner.config.ckpt.export_format,
+            f"{type(uncompiled(runner.model)).__name__} is not a transformers PreTrainedModel, so the hf export needs "
+            f"its Hugging Face config: override {name}.hf_config() (and {name}.state_dict_adapter() when its "
+            "parameter names are not the Hugging Face model's), or leave hf out",
+        )
+    check_hf_config(config, f"{name}.hf_config()")
+
+
+def hf_metadata(runner: BaseRunner) -> str:
+    """`hf.json` of each checkpoint: what `perdure ckpt export --format hf` needs besides the weights."""
+    model = uncompiled(runner.unwrap_model())
+    config, generation = _configs(runner)
+    adapter = runner.state_dict_adapter()
+    tied = tied_keys(model)
+    return json.dumps(
+        {
+            "config": config if isinstance(config, dict) else config.to_diff_dict(),
+            "generation_config": generation.to_diff_dict() if generation is not None else None,
+            "tied": tied,
+            "adapter": None if adapter is None else f"{type(adapter).__module__}.{type(adapter).__qualname__}",
+        },
+        indent=2,
+        sort_keys=True,
+        default=str,
+    )
+
+
+def tied_keys(model: torch.nn.Module) -> list[str]:
+    """The names under which a tensor the model holds under an earlier name appears again (an output layer tied to
+    the embedding): an export leaves them out as `save_pretrained` does, and `from_pretrained` ties them again."""
+    seen: set[int] = set()
+    tied = []
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if id(tensor) in seen:
+            tied.append(plain_name(name))
+        seen.add(id(tensor))
+    return tied
+
+
+def _configs(runner: BaseRunner) -> tuple[Any, Any]:
+    """(config, generation config or None): the model's own for a PreTrainedModel (naming its class in
+    `architectures`, as `save_pretrained` does), else `hf_config()`'s."""
+    model = uncompiled(runner.unwrap_model())
+    if is_hf_model(model):
+        config = copy.deepcopy(model.config)
+        config.architectures = [type(model).__name__]
+        return config, model.generation_config if model.can_generate() else None
+    return runner.hf_config(), None
+
+
+def export_hf(runner: BaseRunner, target: Path | None = None) -> Path | None:
+    """Write the `hf` export of the model (`target`, default `<run dir>/hf`) and of its EMA weights (`hf-ema` beside
+    it). Called on every rank (a sharded model is written collectively); returns the model's directory on the main
+    process, None on the others."""
+    target = Path(target) if target is not None else runner.run_dir.path / HF_DIR
+    config, generation = _configs(runner)
+    jobs = [(target, False)]
+    if runner.ema is not None:
+        jobs.append((target.with_name(target.name + "-ema") if target.name != HF_DIR else target.parent / HF_EMA_DIR,
+                     True))  # fmt: skip
+    for directory, ema in jobs:
+        staging = broadcast_object(str(staging_dir(directory)) if runner.is_main_process else None)
+        _write_weights(runner, Path(staging), ema)
+        if runner.is_main_process:
+            if not (Path(staging) / "config.json").exists():
+                write_config(Path(staging), config, generation)
+            publish(Path(staging), directory)
+        if is_distributed():
+            barrier()
+    if runner.is_main_process:
+        runner.logger.info("wrote the Hugging Face export %s%s", target, " and its EMA weights" if runner.ema else "")
+        return target
+    return None
+
+
+def _write_weights(runner: BaseRunner, staging: Path, ema: bool) -> None:
+    from perdure.runners.deepspeed_runner import DeepSpeedRunner
+    from perdure.runners.parallel_runner import ParallelRunner
+
+    adapter = runner.state_dict_adapter()
+    dtype = EXPORT_DTYPES[runner.config.ckpt.export_dtype] if runner.config.ckpt.export_dtype else None
+    if isinstance(runner, ParallelRunner):
+        from perdure.checkpoints.module_state import module_state_dict
+
+        state: dict[str, Any] = {}
+        for part in [runner.ema.shadow] if ema else runner.model_parts:
+            state.update(part if ema else module_state_dict(part))
+        state = adapter.to_hf(state) if adapter is not None else _untied(state, runner)
+        _write_with_dcp(_distinct(state, every_rank=True), staging, dtype)
+        return
+    deepspeed = isinstance(runner, DeepSpeedRunner)
+    if deepspeed and not ema and adapter is None:
+        _stream(runner, staging, dtype)
+        return
+    if deepspeed and not ema:
+        weights = dict(_deepspeed_tensors(runner))  # to_hf maps the whole state dict: gathered on the main process
+    elif runner.is_main_process:
+        from perdure.runners.compile import plain_state_dict
+
+        weights = runner.ema.weights() if ema else plain_state_dict(runner.unwrap_model())
+    if not runner.is_main_process:
+        return
+    weights = adapter.to_hf(weights) if adapter is not None else _untied(weights, runner)
+    weights = cast_weights(weights, runner.config.ckpt.export_dtype)
+    model = uncompiled(runner.unwrap_model())
+    if is_hf_model(model) and adapter is None and not deepspeed:  # a ZeRO-3 module holds only its partition
+        model.save_pretrained(str(staging), state_dict=weights)
+    else:
+        write_state_dict(staging, _distinct(weights))
+
+
+def _untied(state: dict[str, Any], runner: BaseRunner) -> dict[str, Any]:
+    tied = set(tied_keys(uncompiled(runner.unwrap_model())))
+    return {key: value for key, value in state.items() if key not in tied}
+
+
+def _distinct(state: dict[str, Any], *, every_rank: bool = False) -> dict[str, Any]:
+    """The state dict without a key whose tensor is the same memory as an earlier key's (tied weights: the embedding
+    and the output layer), as `save_pretrained` leaves them out; `from_pretrained` ties them again. A sharded model's
+    state dict wraps each key's shard in a DTensor of its own, so the memory is compared, and what one rank finds tied
+    is left out by all (`every_rank`: a collective; the ranks must save the same keys)."""
+    seen: set[tuple[Any, ...]] = set()
+    tied = set()
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.numel() == 0:
+            continue
+        memory = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
+        if memory in seen:
+            tied.add(key)
+        seen.add(memory)
+    for found in all_gather_object(sorted(tied)) if every_rank else []:
+        tied.update(found)
+    return {key: value for key, value in state.items() if key not in tied}
+
+
+def _deepspeed_tensors(runner: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full fp32 tensor) of the engine's module, one parameter at a time: a collective on every rank (each
+    yields only on the main process). Tied keys come once. fp32 is the optimizer's master copy, as in model.pth."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = uncompiled(runner.engine.module)
+    parameters = {id(p) for p in module.parameters()}
+    seen: set[int] = set()
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        full = None
+        if id(value) in parameters:
+            full = safe_get_full_fp32_param(value) if value.requires_grad else None
+            if full is None:
+                with deepspeed.zero.GatheredParameters([value]):
+                    full = value.detach().clone() if runner.is_main_process else None
+        elif runner.is_main_process:
+            full = value.detach()
+        if runner.is_main_process:
+            yield name, full.cpu()
+
+
+def _deepspeed_sizes(runner: Any, dtype: torch.dtype | None) -> list[tuple[str, int]]:
+    module = uncompiled(runner.engine.module)
+    parameters = {id(p) for p in module.parameters()}
+    sizes, seen = [], set()
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        shape = value.ds_shape if hasattr(value, "ds_shape") else value.shape  # a ZeRO-3 partition's full shape
+        kind = torch.float32 if id(value) in parameters and value.is_floating_point() else value.dtype
+        sizes.append((name, tensor_bytes(shape, dtype if dtype is not None and kind.is_floating_point else kind)))
+    return sizes
+
+
+def _stream(runner: Any, staging: Path, dtype: torch.dtype | None) -> None:
+    """DeepSpeed without an adapter: each parameter gathered on every rank in turn, added to its shard file on the main
+    process, which writes the file as soon as it is complete."""
+    writer = HFShardWriter(staging, plan_shards(_deepspeed_sizes(runner, dtype))) if runner.is_main_process else None
+    for name, tensor in _deepspeed_tensors(runner):  # yields on the main process only; every rank gathers
+        writer.add(name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
+    if writer is not None:
+        writer.finish()
+
+
+def _write_with_dcp(state: dict[str, Any], staging: Path, dtype: torch.dtype | None) -> None:
+    """Every rank writes its shards of `state` (DTensors, or plain tensors DCP writes once) with DCP's Hugging Face
+    storage writer; rank 0 consolidates them into `save_pretrained`'s files, one full tensor at a time, then the
+    per-rank files are removed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    if dtype is not None:
+        state = {
+            k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in state.items()
+        }
+    local = {key: tensor_bytes(value.shape, value.dtype) for key, value in state.items()}
+    sizes: dict[str, int] = {}
+    for part in all_gather_object(local) if is_distributed() else [local]:
+        for key, size in part.items():
+            sizes.setdefault(key, size)
+    files = plan_shards(sorted(sizes.items()))
+    names = sorted(set(files.values()))
+    index = {key: names.index(file) + 1 for key, file in files.items()}
+    writer = HuggingFaceStorageWriter(
+        path=str(staging), fqn_to_index_mapping=index, save_distributed=True, enable_consolidation=True
+    )
+    dcp.save(state, storage_writer=writer)
+    if not is_distributed() or torch.distributed.get_rank() == 0:
+        shutil.rmtree(staging / SHARDED_DIR)
