@@ -36,6 +36,7 @@ from perdure.checkpoints.source import RestoreSource
 from perdure.distributed.collectives import all_ranks
 from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend
+from perdure.runners.compile import plain_state_dict
 from perdure.runners.deepspeed_config import engine_config
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
@@ -65,6 +66,30 @@ class DeepSpeedRunner(TorchRunner):
 
     # ---- building the engine --------------------------------------------------------------------------------------
 
+    def init_module(self) -> AbstractContextManager:
+        """Under ZeRO-3, `deepspeed.zero.Init` with the engine's config: each module's parameters are partitioned
+        over the ranks as soon as the module is built, so no rank holds the whole model (each module is initialised
+        whole, one at a time, under the run's seed, so the model starts as one built eagerly). Under ZeRO 0-2 every
+        stack's (the device: those stages keep whole parameters on every rank)."""
+        if self.config.deepspeed.zero_stage != 3:
+            return super().init_module()
+        deepspeed = import_deepspeed()
+        from deepspeed.accelerator import get_accelerator
+
+        # DeepSpeed's view of the process group (what `deepspeed.initialize` sets up later) sizes the partitions
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        return deepspeed.zero.Init(config_dict_or_path=engine_config(self.config, self.world_size))
+
+    def place_model(self) -> None:
+        """Every stack's, except for a model built partitioned (`init_module` under ZeRO-3): its partitions are
+        where DeepSpeed put them."""
+        from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+        if not any(is_zero_param(parameter) for parameter in self.model.parameters()):
+            return super().place_model()
+        if isinstance(self.criterion, torch.nn.Module):
+            self.criterion.to(self.device)
+
     def restore(self, source: RestoreSource) -> None:
         """Called in `__post_init__`, after the loaders are built: builds the engine, then restores as every stack does
         (a checkpoint through the engine; `--pretrained` weights into the whole module before the engine is built)."""
@@ -85,7 +110,7 @@ class DeepSpeedRunner(TorchRunner):
             # ZeRO 1/2 check fp32 gradients for inf / NaN only when told to (bf16 has a config key, fp16 always does)
             self.engine.optimizer.check_grad_overflow = bool(self.config.skip_nonfinite_grad)
         if stage == 3 and self.ema is not None:
-            self.ema = _GatheringEMA(self.ema)
+            self.ema = _GatheringEMA(self.ema, self.engine.module)
 
     def wrap_model(self) -> None:
         """Nothing to wrap: the engine was built when the restore began."""
@@ -162,8 +187,14 @@ class _GatheringEMA(ExponentialMovingAverage):
     """The EMA under ZeRO-3, where each rank's module holds only its partition: every update gathers the whole
     parameters first (a collective: the loop updates the EMA on every rank at the same step)."""
 
-    def __init__(self, ema: ExponentialMovingAverage) -> None:
+    def __init__(self, ema: ExponentialMovingAverage, model: torch.nn.Module) -> None:
+        """`ema`'s shadows, taken again from `model`'s whole parameters: a model built partitioned
+        (`init_module`) gave the EMA its empty placeholders."""
+        import deepspeed
+
         self.__dict__.update(ema.__dict__)
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            self.shadow = {name: tensor.detach().clone() for name, tensor in plain_state_dict(model).items()}
 
     def update(self, model: torch.nn.Module) -> None:
         import deepspeed
