@@ -305,7 +305,7 @@ def test_cli_ls(root: Path, capsys):
     code, out, err = cli(capsys, "ls", "--root", str(root))
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["ID", "LINEAGE", "STATUS", "STEP", "val/loss", "train/loss", "UPDATED"]
+    assert lines[0].split() == ["ID", "LINEAGE", "STATUS", "STEP", "val/loss", "train/loss", "GOODPUT", "UPDATED"]
     assert [line.split()[0] for line in lines[1:]] == [
         "abc1234-cccccccccccc",
         "abc1234-bbbbbbbbbbbb",

@@ -17,6 +17,7 @@ from typing import Any
 from perdure.config import flatten
 from perdure.safe_io import echo, escape_terminal
 from perdure.wording import counted
+from perdure.workspace.goodput import RUN_PARTS, format_fraction, is_goodput
 from perdure.workspace.registry import Registry, RegistryError, RunRecord
 from perdure.workspace.sidecar import SIDECAR_NAME, STALE, STATUSES, parse_stamp, read_sidecar
 
@@ -86,12 +87,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         echo(f"no runs under {registry.root}{_filtered(args)}", file=sys.stderr)
         return 0
     metrics = args.metric or _default_metrics(records)
-    headers = ["ID", "LINEAGE", "STATUS", "STEP", *metrics, "UPDATED"]
+    headers = ["ID", "LINEAGE", "STATUS", "STEP", *metrics, "GOODPUT", "UPDATED"]
     rows = [
-        [r.run_id, r.lineage or _EMPTY, r.status, _num(r.step), *(_num(r.metric(m)) for m in metrics), _when(r.updated)]
+        [r.run_id, r.lineage or _EMPTY, r.status, _num(r.step), *(_num(r.metric(m)) for m in metrics)]
+        + [_percent(r.goodput), _when(r.updated)]
         for r in records
     ]
-    echo(table(headers, rows, right=range(3, 4 + len(metrics))))
+    echo(table(headers, rows, right=range(3, 5 + len(metrics))))
     return 0
 
 
@@ -130,6 +132,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             for key, entry in sorted(record.summary.items())
         ]
         echo(table(["METRIC", "LATEST", "@STEP", "MIN", "@STEP", "MAX", "@STEP"], rows, right=range(1, 7)))
+    if is_goodput(data.get("goodput")):
+        echo(f"\ngoodput {format_fraction(data['goodput'])} of the run's wall time trained the model (kept training)")
+        echo(_goodput_table(data["goodput"], data["attempts"]))
     if data["attempts"]:
         echo("\nattempts")
         echo(_attempts_table(data["attempts"]))
@@ -242,6 +247,30 @@ def _budget(attempts: Sequence[dict[str, Any]]) -> str | None:
             if unit in ("steps", "epochs") and isinstance(size, int) and not isinstance(size, bool):
                 return counted(size, unit[:-1])
     return None
+
+
+def _goodput_table(run: dict[str, Any], attempts: Sequence[dict[str, Any]]) -> str:
+    """Seconds per goodput part: the run's, then each attempt's (`-` for an attempt recorded without one)."""
+    numbered = [(index, attempt.get("goodput")) for index, attempt in enumerate(attempts, start=1)]
+    headers = ["PART", "RUN S", "%", *(f"#{index} S" for index, _ in numbered)]
+    wall = sum(run["seconds"].values())
+    rows = []
+    for part in RUN_PARTS:
+        seconds = run["seconds"].get(part, 0.0)
+        share = f"{100 * seconds / wall:.1f}" if wall > 0 else _EMPTY
+        each = [_seconds(g["seconds"].get(part)) if is_goodput(g) else _EMPTY for _, g in numbered]
+        rows.append([part, _seconds(seconds), share, *each])
+    total = [_seconds(sum(g["seconds"].values())) if is_goodput(g) else _EMPTY for _, g in numbered]
+    rows.append(["wall", _seconds(wall), "100.0", *total])
+    return table(headers, rows, right=range(1, len(headers)))
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else _EMPTY
+
+
+def _percent(fraction: float | None) -> str:
+    return _EMPTY if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def _attempts_table(attempts: Sequence[dict[str, Any]]) -> str:

@@ -132,3 +132,38 @@ class HeartbeatWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+MAX_HEARTBEAT_FILES = 4096  # a reader of a foreign run directory looks at no more records than this
+
+
+def attempt_beats(run_dir: Path, attempt: str) -> list[RankBeat]:
+    """Every rank's record of `attempt` in `run_dir/heartbeats/` (those of other attempts, torn or foreign ones
+    left out; at most `MAX_HEARTBEAT_FILES` files read)."""
+    folder = Path(run_dir) / HEARTBEATS_DIR
+    try:
+        if folder.is_symlink() or not folder.is_dir():
+            return []
+        names = sorted(entry.name for entry in os.scandir(folder) if entry.name.endswith(".json"))
+    except OSError:
+        return []
+    beats = (read_beat(folder / name, attempt) for name in names[:MAX_HEARTBEAT_FILES])
+    return [beat for beat in beats if beat is not None]
+
+
+def completed_step(beat: RankBeat) -> int:
+    """The last step `beat`'s rank finished: in data_loading or training_step it was still in step `beat.step`."""
+    return beat.step - 1 if beat.phase in ("data_loading", "training_step") else beat.step
+
+
+def reached_step(run_dir: Path, attempt: str) -> int | None:
+    """The furthest step any rank of `attempt` finished, as its heartbeat last said (None: no record). A SIGKILL
+    leaves the record in place, within 50 ms of the rank's last change of step."""
+    steps = [completed_step(beat) for beat in attempt_beats(run_dir, attempt)]
+    return max(steps) if steps else None
+
+
+def last_beat(run_dir: Path, attempt: str) -> float | None:
+    """When a rank of `attempt` last wrote its heartbeat (POSIX time; None: no record): close to when it ended."""
+    beats = [beat.beat for beat in attempt_beats(run_dir, attempt)]
+    return max(beats) if beats else None

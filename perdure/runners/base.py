@@ -180,6 +180,7 @@ class BaseRunner(
 
     def __post_init__(self) -> None:
         """Called once after the user's `__init__`: fill in defaults, place the model, build loaders, restore."""
+        self.telemetry.goodput.model_built()
         if self.model is None:
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.model before it returns")
         self._check_checkpointed()
@@ -201,7 +202,8 @@ class BaseRunner(
         check_parameter_coverage(self.optimizer, self.model)  # each trainable parameter in the optimizer, once
         check_state_dict_round_trip(self.unwrap_model())  # what a checkpoint saves of it loads back unchanged
         self.build_dataloaders()
-        self.restore(self.restore_source)
+        with self.telemetry.goodput.restoring():
+            self.restore(self.restore_source)
         self._losses = list(self.state.pending_losses)
         self.wrap_model()
 

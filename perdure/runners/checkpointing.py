@@ -134,6 +134,7 @@ class CheckpointingMixin:
             return None
         self._saved_position = position
         self.meter.exclude(time.perf_counter() - started)  # not training time: kept out of step_time
+        self.telemetry.goodput.blocked("checkpoint_stall", time.perf_counter() - started)
         if path is not None:
             seconds = time.perf_counter() - started
             if self.config.ckpt.async_mode == "disabled":

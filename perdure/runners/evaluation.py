@@ -216,6 +216,7 @@ class EvaluationMixin:
         finally:
             self._evaluation_stops_on_signal = False
             self.meter.exclude(time.perf_counter() - started)  # not training time: kept out of step_time
+            self.telemetry.goodput.blocked("evaluation", time.perf_counter() - started)
         self.state.evaluation_pending = False
         self.state.results[str(self.state.global_step)] = results
         for split, metrics in results.items():

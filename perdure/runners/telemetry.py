@@ -19,14 +19,17 @@ from perdure.config import RunnerConfig
 from perdure.loggers.base import LoggerGroup, build_loggers
 from perdure.loggers.console import set_progress_bar
 from perdure.loggers.progress import ProgressBar
+from perdure.runners.goodput import GoodputClock
 from perdure.runners.state import RunnerState
 from perdure.runners.throughput import format_metric
+from perdure.workspace.goodput import is_goodput
 from perdure.workspace.identity import canonical_config
 from perdure.workspace.metadata import write_metadata
 from perdure.workspace.run_dir import RunDir
-from perdure.workspace.sidecar import Heartbeat, Sidecar
+from perdure.workspace.sidecar import Heartbeat, Sidecar, utc_stamp
 
 RESTART_COUNTERS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+INTERRUPTIONS = ("interrupted", "preempted", "failed", "hung")  # how an attempt ends that counts towards the MTBF
 HEARTBEAT_SECONDS = 10.0
 
 logger = logging.getLogger("perdure")
@@ -47,6 +50,7 @@ class RunTelemetry:
         self._heartbeat_at = self._sidecar_at = time.monotonic()
         self._sidecar_failed = False
         self._durability = BackgroundDurability(self._make_durable)
+        self.goodput = GoodputClock(state.global_step)  # where the attempt's time goes, from the process's start
 
     def start(self, *, attempt: str, resumed_from: str | None, details: Mapping[str, Any] | None = None) -> None:
         """Record the attempt (metadata, sidecar entry, restart counters, `details` such as the code it runs) and open
@@ -62,6 +66,7 @@ class RunTelemetry:
         self.loggers.open(self.run_dir.path, resumed_step=self.state.global_step, state=self.state, config=self.config)
         self.heartbeat = Heartbeat(self.run_dir.path)
         self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+        self._record_goodput()
         self.sidecar.write()
 
     def record_failed_setup(
@@ -123,6 +128,7 @@ class RunTelemetry:
 
     def begin_training(self, total: int | None) -> None:
         """The loop starts: show a progress bar on a terminal (rate and ETA measured from here)."""
+        self.goodput.loop_started(self.state.global_step)
         if not self.active:
             return
         self.progress = ProgressBar(total, initial=self.state.global_step, mode=self.config.log.progress)
@@ -130,10 +136,13 @@ class RunTelemetry:
             set_progress_bar(self.progress)
 
     def step(self, step: int) -> None:
-        """After every optimizer step: the progress bar, and the heartbeat every few seconds (so a run whose log
-        lines are far apart is not mistaken for a stale one)."""
+        """After every optimizer step: the goodput clock, the progress bar and the heartbeat's step (whose mtime also
+        says the run is alive, however far apart its log lines are)."""
+        self.goodput.stepped(step)
         if self.progress is not None:
             self.progress.update(step)
+        if self.heartbeat is not None:  # a pwrite of 21 bytes: a SIGKILL then leaves the exact step reached
+            self.heartbeat.beat(step)
         self.alive()
 
     def alive(self) -> None:
@@ -143,6 +152,17 @@ class RunTelemetry:
         if self.heartbeat is not None and now - self._heartbeat_at > HEARTBEAT_SECONDS:
             self.heartbeat.beat(self.state.global_step)
             self._heartbeat_at = now
+
+    def run_mtbf(self) -> float | None:
+        """Rank 0: the run's mean time between interruptions so far, in seconds: the wall time of its attempts (this
+        one's so far) over the attempts that ended interrupted (killed), preempted, failed or hung, at least one.
+        None on the other ranks."""
+        if self.sidecar is None:
+            return None
+        earlier = self.sidecar.to_dict()["attempts"][:-1]
+        walls = [sum(a["goodput"]["seconds"].values()) for a in earlier if is_goodput(a.get("goodput"))]
+        interruptions = sum(1 for a in earlier if a.get("status") in INTERRUPTIONS)
+        return (sum(walls) + self.goodput.elapsed()) / max(interruptions, 1)
 
     def log_metrics(self, split: str, metrics: Mapping[str, float], step: int) -> None:
         """One line on the console and in the log file, a row per metric, the sidecar's summary."""
@@ -187,6 +207,7 @@ class RunTelemetry:
         """A checkpoint was committed: loggers made durable up to it, the sidecar names it. `background` (an async
         save, reported by the training loop): the fsyncs run on a thread of their own, since on a filesystem busy
         writing the next checkpoint an fsync can take seconds, and the loop need not wait for a summary's."""
+        self.goodput.committed(name, self.state.global_step)
         if not self.active:
             return
         self.loggers.flush(durable=not background)
@@ -226,6 +247,7 @@ class RunTelemetry:
                 self.heartbeat.close()
             if self.sidecar is not None:
                 self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+                self._record_goodput()
                 self.sidecar.finish_attempt(status, reason)
                 self._write_sidecar()
             self.active = False
@@ -237,6 +259,7 @@ class RunTelemetry:
             return
         self.active = False
         self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+        self._record_goodput()
         self.sidecar.finish_attempt("hung", reason)
         self._write_sidecar()
         self.loggers.flush()
@@ -262,9 +285,14 @@ class RunTelemetry:
                 self.heartbeat.close()
             self.active = False
 
+    def _record_goodput(self) -> None:
+        """The goodput clock's record, taken now, into the attempt's sidecar entry."""
+        self.sidecar.record_goodput(self.goodput.record(), utc_stamp(self.goodput.process_started))
+
     def _write_sidecar(self, durable: bool = True) -> None:
         """Replace sidecar.json; a failure to (a full disk) is a warning, once: the run's record is a summary, and
         losing it must never stop the training it describes."""
+        self._record_goodput()
         try:
             self.sidecar.write(durable=durable)
         except OSError as error:

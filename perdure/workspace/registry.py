@@ -25,6 +25,7 @@ from perdure.checkpoints.commit import atomic_write_text
 from perdure.config import flatten
 from perdure.errors import PerdureError
 from perdure.safe_io import UnsafeFileError, csv_text, is_regular_or_missing, kind_of, loads_json, move_aside
+from perdure.workspace.goodput import is_goodput
 from perdure.workspace.run_dir import workspace_root
 from perdure.workspace.sidecar import (
     SIDECAR_NAME,
@@ -38,7 +39,7 @@ from perdure.workspace.sidecar import (
 )
 
 REGISTRY_NAME = "registry.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the goodput column
 EXPORT_SUFFIXES = (".csv", ".json", ".parquet")
 _STATS = ("latest", "latest_step", "min", "min_step", "max", "max_step")
 _COLUMNS = (
@@ -58,6 +59,7 @@ _COLUMNS = (
     "attempts",
     "step",
     "epoch",
+    "goodput",
     "mtime_ns",
     "size",
 )
@@ -114,6 +116,7 @@ class RunRecord:
     attempts: int
     step: int | None = None
     epoch: int | None = None
+    goodput: float | None = None  # the run's goodput fraction: kept training / wall time (sidecar.json's `goodput`)
 
     def metric(self, key: str, stat: str = "latest") -> float | None:
         """`summary[key][stat]` (`key` like `val/loss`, `stat` one of latest, min, max, ...), or None."""
@@ -268,6 +271,7 @@ class Registry:
             "attempts": len(data["attempts"]),
             "step": data.get("step"),
             "epoch": data.get("epoch"),
+            "goodput": data["goodput"]["fraction"] if is_goodput(data.get("goodput")) else None,
             "mtime_ns": stat[0],
             "size": stat[1],
         }
@@ -451,6 +455,7 @@ _ROW_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("created", "updated"), (str, type(None))),
     **dict.fromkeys(("attempts", "mtime_ns", "size"), (int,)),
     **dict.fromkeys(("step", "epoch"), (int, type(None))),
+    "goodput": (float, int, type(None)),
 }
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from perdure.checkpoints.commit import atomic_write_text
 from perdure.errors import PerdureError
+from perdure.resilience.rank_heartbeat import last_beat as ranks_last_beat
+from perdure.resilience.rank_heartbeat import reached_step as ranks_reached_step
 from perdure.safe_io import (
     UnsafeFileError,
     ensure_dir,
@@ -33,6 +35,7 @@ from perdure.safe_io import (
     replace_with_bytes,
     safe_name,
 )
+from perdure.workspace.goodput import attempt_goodput, clock_is_valid, is_goodput, run_goodput
 
 SIDECAR_NAME = "sidecar.json"
 HEARTBEAT_NAME = "heartbeat"
@@ -144,8 +147,10 @@ class Sidecar:
 
         `restart_counts` records e.g. SLURM_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT; `details` (the code the
         attempt runs, its world size, a topology change, ...) is stored in the entry as is. `steps_lost` is the work the
-        interruption cost: how far the previous attempt got past the checkpoint this one resumes from. A previous
-        attempt still marked running never recorded its end: it becomes `interrupted`, ended at its last heartbeat.
+        interruption cost: how far the previous attempt got past the checkpoint this one resumes from (the step its
+        ranks' heartbeats last recorded, which a SIGKILL leaves in place); the previous attempt's goodput counts
+        them as lost. A previous attempt still marked running never recorded its end: it becomes `interrupted`,
+        ended at its last heartbeat.
         """
         with self._lock:
             attempts = self._data["attempts"]
@@ -154,7 +159,11 @@ class Sidecar:
             lost = 0
             if previous is not None:
                 reached = max(int(previous.get("last_step") or 0), heartbeat_step(self.run_dir) or 0)
+                reached = max(reached, ranks_reached_step(self.run_dir, str(previous.get("started"))) or 0)
                 lost = max(reached - int(resumed_step), 0)
+                previous["last_step"] = reached  # a killed attempt trained past its last record
+                previous["steps_done"] = max(reached - int(previous.get("resumed_step") or 0), 0)
+                self._settle_goodput(previous, reached_step=reached, kept_step=int(resumed_step))
             attempt = {
                 "started": started,
                 "ended": None,
@@ -219,6 +228,32 @@ class Sidecar:
                 entry["max"], entry["max_step"] = value, step
         self._data["summary"][key] = entry
 
+    def record_goodput(self, clock: Mapping[str, float], process_started: str) -> None:
+        """The attempt's raw goodput record (`perdure.runners.goodput`), taken now: its `goodput` is derived
+        (provisionally: the lost part is settled when the attempt ends, then again when the next one starts)."""
+        with self._lock:
+            attempt = self.current_attempt  # an attempt already ended keeps the goodput its end settled
+            if attempt is not None and attempt.get("status") == "running" and clock_is_valid(clock):
+                attempt["process_started"] = process_started
+                attempt["goodput_clock"] = _plain(dict(clock))
+                reached = int(clock["step"])
+                self._settle_goodput(attempt, reached_step=reached, kept_step=int(clock["committed_step"]),
+                                     ended=float(clock["at"]))  # fmt: skip
+
+    def _settle_goodput(
+        self, attempt: dict[str, Any], *, reached_step: int, kept_step: int, ended: float | None = None
+    ) -> None:
+        """Derive `attempt`'s goodput from its raw record: it ended at `ended` (default: its `ended` stamp) having
+        trained to `reached_step`, of which the steps up to `kept_step` were kept."""
+        clock = attempt.get("goodput_clock")
+        if not clock_is_valid(clock):
+            return
+        if ended is None:
+            ended = parse_stamp(str(attempt.get("ended")))
+        if ended is None:
+            ended = float(clock["at"])
+        attempt["goodput"] = attempt_goodput(clock, ended=ended, reached_step=reached_step, kept_step=kept_step)
+
     def record_save_failure(self, name: str, error: str) -> None:
         """A checkpoint save of this attempt failed: kept in the attempt so `perdure runs show` tells it."""
         with self._lock:
@@ -234,7 +269,12 @@ class Sidecar:
             attempt = self.current_attempt
             if attempt is None:
                 raise PerdureError("finish_attempt called before start_attempt: no attempt to finish")
-            attempt.update(ended=utc_stamp(), status=status, exit_reason=exit_reason)
+            ended = time.time()
+            attempt.update(ended=utc_stamp(ended), status=status, exit_reason=exit_reason)
+            clock = attempt.get("goodput_clock")
+            if clock_is_valid(clock):
+                self._settle_goodput(attempt, reached_step=int(attempt.get("last_step") or clock["step"]),
+                                     kept_step=int(clock["committed_step"]), ended=ended)  # fmt: skip
             self._data["status"] = status
 
     def mark_stuck(self, reason: str) -> None:
@@ -250,6 +290,9 @@ class Sidecar:
         ended at its last heartbeat."""
         if attempt is not None and attempt.get("status") == "running":
             heartbeat = heartbeat_mtime(self.run_dir)
+            beat = ranks_last_beat(self.run_dir, str(attempt.get("started")))
+            if beat is not None:  # the ranks' heartbeats are rewritten every few seconds, the run's less often
+                heartbeat = max(heartbeat or beat, beat)
             attempt["status"] = INTERRUPTED
             attempt["exit_reason"] = "ended without recording an exit (killed or crashed)"
             attempt["ended"] = utc_stamp(heartbeat) if heartbeat is not None else None
@@ -277,6 +320,7 @@ class Sidecar:
         and the end of an attempt write it durably)."""
         with self._lock:
             self._data["updated"] = utc_stamp()
+            self._data["goodput"] = run_goodput(self._data["attempts"], lambda stamp: parse_stamp(str(stamp)))
             text = _dumps(self._data, indent=2) + "\n"
             ensure_dir(self.run_dir)
             if durable:
@@ -384,7 +428,7 @@ _FIELDS = {
     "epoch": _COUNT,
 }
 _ATTEMPT_FIELDS = {
-    **dict.fromkeys(("started", "ended", "exit_reason", "status", "resumed_from"), _TEXT),
+    **dict.fromkeys(("started", "ended", "exit_reason", "status", "resumed_from", "process_started"), _TEXT),
     **dict.fromkeys(("resumed_step", "last_step", "steps_done", "steps_lost"), _COUNT),
     "save_seconds": _NUMBER,
 }
@@ -408,9 +452,13 @@ def _type_problem(data: dict[str, Any]) -> str | None:
     for metric, entry in data["summary"].items():
         if not isinstance(entry, dict) or any(_wrong(entry.get(stat), _NUMBER) for stat in _STATS):
             return f"summary entry {safe_name(metric)} is not an object of numbers"
+    if data.get("goodput") is not None and not is_goodput(data["goodput"]):
+        return "'goodput' is not {fraction, seconds: {part: number}}"
     for attempt in data["attempts"]:
         if not isinstance(attempt, dict):
             return "an attempt is not an object"
+        if attempt.get("goodput") is not None and not is_goodput(attempt["goodput"]):
+            return "attempt field 'goodput' is not {fraction, seconds: {part: number}}"
         for key, kind in _ATTEMPT_FIELDS.items():
             if _wrong(attempt.get(key), kind):
                 return f"attempt field '{key}' has the wrong type ({type(attempt[key]).__name__})"
