@@ -74,6 +74,17 @@ def sum_over_ranks(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def gather_numbers(values: list[float]) -> list[list[float]]:
+    """Every rank's list of numbers (all of the same length; float64), in rank order, on every rank (one
+    collective)."""
+    if not is_distributed():
+        return [list(values)]
+    tensor = torch.tensor(values, dtype=torch.float64, device=_device())
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return [item.tolist() for item in gathered]
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

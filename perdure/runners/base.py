@@ -36,7 +36,6 @@ from perdure.checkpoints.mirror import mirror_for_run
 from perdure.checkpoints.select import manager_class as select_manager_class
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
-from perdure.distributed.collectives import max_over_ranks
 from perdure.distributed.gloo_exit import settle_gloo_workers_at_exit
 from perdure.errors import PerdureError
 from perdure.loggers.console import (
@@ -65,6 +64,7 @@ from perdure.runners.param_coverage import check_parameter_coverage
 from perdure.runners.rng import derived_seed, seed_everything
 from perdure.runners.state import RunnerState
 from perdure.runners.state_dict_check import check_state_dict_round_trip
+from perdure.runners.stragglers import StragglerWatch
 from perdure.runners.telemetry import RunTelemetry
 from perdure.runners.throughput import ThroughputMeter
 
@@ -158,6 +158,7 @@ class BaseRunner(
         self._losses: list[torch.Tensor] = []
         self._skips = SkippedSteps(config.resilience.max_consecutive_skips)
         self.meter = ThroughputMeter(self.world_size)  # the speed, memory and ETA columns of train log lines
+        self.stragglers = StragglerWatch(self.rank, self.world_size)  # each rank's step time, at log lines
 
     def _checkpoint_manager(self, token: str = "") -> CheckpointManager:
         """This run's checkpoint manager; `token` (the attempt's timestamp, equal on all ranks) names staging dirs.
@@ -553,7 +554,7 @@ class BaseRunner(
         Distributed stacks override it so that all ranks agree. Must not save or exit: the loop does that.
         """
         received = self.preemption.received or 0
-        self.stop_signal = max_over_ranks(received) if self.world_size > 1 else received
+        self.stop_signal = self.stragglers.agreed_signal(received) if self.world_size > 1 else received
         return self.stop_signal != 0
 
     def _finish(self) -> None:

@@ -36,6 +36,7 @@ class MetricsMixin:
         else:
             total = self.total_steps_hint() if loader.samples_per_epoch() is not None else None
         device = model_device(self.unwrap_model())
+        self.stragglers.start(self.state.global_step)
         self.meter.start(
             self.state.global_step,
             total_steps=total,
@@ -56,6 +57,8 @@ class MetricsMixin:
             metrics["grad_norm"] = float(self.grad_norm)
             self.grad_norm = None
         metrics.update(self.meter.metrics(self.state.global_step))
+        # rides on the stop check's collective (several ranks): every rank's step time, the slow ones named
+        metrics.update(self.stragglers.exchange(self.preemption.received or 0, self.state.global_step))
         self.log_metrics("train", metrics)
         self.telemetry.flush()
 

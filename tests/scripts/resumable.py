@@ -13,6 +13,7 @@ Environment knobs (tests only):
   EVAL_DRAW     "1": each evaluation batch draws from the device's generator (its `draw` metric), as a random
                 augmentation would
   SLOW_WHILE    a path: STEP_SLEEP applies only while it exists (a test holds a run back while it stages faults)
+  SLOW_RANK     STEP_SLEEP applies on this rank only (a straggler)
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (a deterministic hard death)
   KILL_AFTER_STEPS  SIGKILL this very process at the N-th step it trains itself, wherever a heal put it
   RAISE_AT_STEP raise RuntimeError when `global_step` reaches this value (a bug that fails every attempt alike)
@@ -279,7 +280,8 @@ class ResumableRunner(Runner):
                 if isinstance(batch, dict) and "index" in batch:
                     record["samples"] = batch["index"].tolist()
                 log.write(json.dumps(record) + "\n")
-        if self.step_sleep and (self.slow_while is None or os.path.exists(self.slow_while)):
+        slow_here = os.environ.get("SLOW_RANK") in (None, str(self.rank))
+        if self.step_sleep and slow_here and (self.slow_while is None or os.path.exists(self.slow_while)):
             time.sleep(self.step_sleep)
         return loss
 

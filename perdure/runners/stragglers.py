@@ -1,0 +1,92 @@
+"""StragglerWatch: which rank is slow, told at the train log lines for one small collective.
+
+Each rank adds up its own compute time per step: the time its `train_step` calls (the forward of each micro-batch)
+take. Backward and the optimizer step are left out on purpose: under DDP they end in the gradient all-reduce, where
+every rank waits for the slowest, so they take the same wall time on every rank and hide the one that is slow.
+(Under FSDP or tensor parallelism the forward holds collectives too, so a slow rank shows less clearly there.)
+
+At every train log line the ranks exchange that time per step in the collective that agrees on a preemption signal
+anyway (the loop runs it after every step, `BaseRunner.stop_requested`): at a log line it gathers (signal, time per
+step) from each rank instead of reducing the signal alone, and the loop's stop check right after uses the signal
+agreed there. So a log interval costs no collective more than it did; the first log line also gathers the ranks'
+host names, once. Rank 0 logs the ranks more than `SLOW_RATIO` times slower than the median (rank, host, its time,
+the median); the train log line (and so `metrics.csv`) carries the ranks' min, median and max time per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import statistics
+
+from perdure.distributed.collectives import all_gather_object, gather_numbers, max_over_ranks
+
+SLOW_RATIO = 1.2  # a rank more than 20% slower than the median is named
+MAX_NAMED = 4  # the slowest ranks a warning names at most
+
+logger = logging.getLogger("perdure")
+
+
+class StragglerWatch:
+    """One rank's side of the exchange; made with the runner, fed by the loop (`forward_took` per micro-batch,
+    `exchange` at each train log line, `agreed_signal` at each stop check)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.hosts: list[str] | None = None
+        self._compute = 0.0
+        self._last_step: int | None = None
+        self._agreed: int | None = None  # the signal agreed at this step's log line, for the stop check after it
+
+    def start(self, step: int) -> None:
+        """The training loop starts at `step`."""
+        self._compute, self._last_step = 0.0, step
+
+    def forward_took(self, seconds: float) -> None:
+        """A micro-batch's `train_step` took `seconds` on this rank."""
+        self._compute += seconds
+
+    def exchange(self, signal: int, step: int) -> dict[str, float]:
+        """At a train log line of `step`, every rank: gather every rank's compute time per step since the last line
+        together with the preemption signal it received (`signal`, 0: none); returns the log line's columns
+        (`rank_step_time_min`, `_median`, `_max`; none with one rank or before a first interval)."""
+        steps = step - self._last_step if self._last_step is not None else 0
+        own = self._compute / steps if steps > 0 else 0.0
+        self._compute, self._last_step = 0.0, step
+        if self.world_size == 1:
+            return {}
+        if self.hosts is None:
+            self.hosts = [str(host) for host in all_gather_object(socket.gethostname())]
+        gathered = gather_numbers([float(signal), own, 1.0 if steps > 0 else 0.0])
+        self._agreed = int(max(row[0] for row in gathered))
+        if not all(row[2] for row in gathered):
+            return {}
+        times = [row[1] for row in gathered]
+        median = statistics.median(times)
+        if self.rank == 0:
+            self._name_slow_ranks(step, times, median)
+        return {"rank_step_time_min": min(times), "rank_step_time_median": median, "rank_step_time_max": max(times)}
+
+    def agreed_signal(self, received: int) -> int:
+        """The stop check (several ranks): the signal agreed at this step's log line if one was, else the largest
+        signal any rank received now (one collective)."""
+        if self._agreed is not None:
+            agreed, self._agreed = self._agreed, None
+            return agreed
+        return max_over_ranks(received)
+
+    def _name_slow_ranks(self, step: int, times: list[float], median: float) -> None:
+        slow = sorted((rank for rank, seconds in enumerate(times) if seconds > SLOW_RATIO * median),
+                      key=lambda rank: -times[rank])  # fmt: skip
+        if not slow or median <= 0:
+            return
+        hosts = self.hosts or ["?"] * len(times)
+        named = "; ".join(
+            f"rank {rank} ({hosts[rank]}) {times[rank]:.4g} s/step, {times[rank] / median:.2f}x"
+            for rank in slow[:MAX_NAMED]
+        )
+        more = f" and {len(slow) - MAX_NAMED} more" if len(slow) > MAX_NAMED else ""
+        logger.warning(
+            "slow rank%s at step %d: %s%s (median of %d ranks %.4g s/step; forward time of train_step per step)",
+            "s" if len(slow) > 1 else "", step, named, more, len(times), median,
+        )  # fmt: skip
