@@ -20,6 +20,7 @@ import yaml
 from typing_extensions import Self
 
 from perdure import config_help, config_text
+from perdure.checkpoints.auto_interval import check_interval
 from perdure.checkpoints.mirror import check_mirror_url
 from perdure.config_checks import (
     check_bool,
@@ -91,7 +92,6 @@ _COUNTS: dict[str, tuple[int, bool]] = {
     "accum_steps": (1, False),
     "eval.steps": (1, True),
     "eval.interval": (1, True),
-    "ckpt.interval": (1, True),
     "ckpt.interval_steps": (1, True),
     "ckpt.keep_latest_k": (0, False),
     "ckpt.mirror_every": (1, False),
@@ -148,7 +148,8 @@ class RunnerConfig(chanfig.Config):
         self.eval.interval = None  # evaluate every N steps (epochs); None: every ckpt.interval steps (every epoch)
         self.ckpt.enabled = True  # false: write no checkpoint, pointer or export (reads still happen)
         self.ckpt.backend = "auto"  # auto: dcp with several ranks, else file; or file, dcp, deepspeed
-        self.ckpt.interval = None  # checkpoint every N steps (epochs in epoch mode); None: 500 steps or 1 epoch
+        self.ckpt.interval = None  # every N steps (epochs in epoch mode); None: 500 steps or 1 epoch; auto: Young/Daly
+        self.ckpt.mtbf = None  # ckpt.interval auto: seconds between interruptions; None: from the run's attempts
         self.ckpt.interval_steps = None  # epoch mode: also checkpoint every N steps inside an epoch
         self.ckpt.keep_latest_k = 3  # keep the K newest checkpoints (plus latest, best, resumed-from); 0: keep all
         self.ckpt.save_best = True  # a new best score between two interval saves is saved too
@@ -428,6 +429,7 @@ class RunnerConfig(chanfig.Config):
         for key in ("checkpoint", "pretrained"):
             check_path(key, get(key))
         check_number("max_grad_norm", get("max_grad_norm"), "a number >= 0 (0: no clipping)", lambda x: x >= 0, True)
+        check_interval(get("ckpt.interval"), get("ckpt.mtbf"), self.training_mode())
         check_number("ckpt.hang_warning_s", get("ckpt.hang_warning_s"), "seconds >= 0 (0: never)", lambda x: x >= 0)
         check_number("resilience.grace_s", get("resilience.grace_s"), "None or seconds > 0", lambda x: x > 0, True)
         check_number("ckpt.mirror_drain_s", get("ckpt.mirror_drain_s"), "seconds >= 0", lambda x: x >= 0)

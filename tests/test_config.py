@@ -50,6 +50,7 @@ def test_defaults():
         "enabled": True,
         "backend": "auto",
         "interval": None,
+        "mtbf": None,
         "interval_steps": None,
         "keep_latest_k": 3,
         "save_best": True,

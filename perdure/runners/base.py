@@ -62,6 +62,7 @@ from perdure.runners.metrics import MetricsMixin
 from perdure.runners.optim import build_optimizer, build_scheduler
 from perdure.runners.param_coverage import check_parameter_coverage
 from perdure.runners.rng import derived_seed, seed_everything
+from perdure.runners.save_schedule import SaveSchedule
 from perdure.runners.state import RunnerState
 from perdure.runners.state_dict_check import check_state_dict_round_trip
 from perdure.runners.stragglers import StragglerWatch
@@ -452,6 +453,7 @@ class BaseRunner(
         )  # fmt: skip
         loader = self.dataloaders["train"]
         self.cadence = Cadence.from_config(self.config)
+        self.save_schedule = SaveSchedule.for_runner(self, default=self.cadence.save_every)  # ckpt.interval (auto)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.checkpoints.start()
@@ -542,7 +544,8 @@ class BaseRunner(
         self.is_best = False
         if count % cadence.eval_every == 0 and self._eval_splits() and not self._evaluate_and_score():
             return  # a preemption signal stopped the evaluation: the loop saves this position and exits
-        if count % cadence.save_every == 0:
+        if self.save_schedule.due(count):
+            self.save_schedule.plan()  # ckpt.interval auto: the next save's step, kept in this checkpoint
             self.save_checkpoint("interval")
         elif self.is_best and cadence.save_best:
             self.save_checkpoint("best")

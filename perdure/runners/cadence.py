@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from perdure.checkpoints.auto_interval import AUTO
 from perdure.config import RunnerConfig
 
 DEFAULT_STEP_INTERVAL = 500
@@ -24,7 +25,8 @@ class Cadence:
     def from_config(cls, config: RunnerConfig) -> Cadence:
         by_epoch = config.training_mode() == "epochs"
         default = 1 if by_epoch else DEFAULT_STEP_INTERVAL
-        save_every = config.ckpt.interval or default
+        interval = config.ckpt.interval  # `auto`: perdure.runners.save_schedule decides; evaluations keep the default
+        save_every = default if interval in (None, AUTO) else interval
         return cls(
             by_epoch=by_epoch,
             log_every=config.log.interval,

@@ -43,6 +43,11 @@ class RunnerState:
     evaluation_pending: bool = False
     # Train losses of the steps since the last log line, as floats, so a resumed run logs the same averages.
     pending_losses: list[float] = field(default_factory=list)
+    # `ckpt.interval auto` (perdure.runners.save_schedule): the step of the next interval save, decided at the save
+    # this state is part of, and the mean stall of the run's saves it was decided from (over `save_stalls` saves).
+    auto_save_step: int | None = None
+    save_stall_s: float | None = None
+    save_stalls: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         # New containers all the way down (what `_plain` builds), so a snapshot never shares them with the loop.
@@ -68,7 +73,7 @@ class RunnerState:
             setattr(self, key, value)
 
 
-COUNTS = ("global_step", "epoch", "samples_in_epoch", "attempt", "skipped_steps", "patience_count")
+COUNTS = ("global_step", "epoch", "samples_in_epoch", "attempt", "skipped_steps", "patience_count", "save_stalls")
 FLAGS = ("early_stopped", "evaluation_pending")
 WANDB_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -76,13 +81,13 @@ WANDB_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 def _check_field(name: str, value: Any) -> None:
     """Refuse a restored field whose type or value the state never holds."""
     where = f"state.{name}"
-    if name in COUNTS or (name == "best_step" and value is not None):
+    if name in COUNTS or (name in ("best_step", "auto_save_step") and value is not None):
         if type(value) is not int or value < 0:
             raise CheckpointError(f"{where} is {value!r}, not a non-negative integer")
     elif name in FLAGS:
         if type(value) is not bool:
             raise CheckpointError(f"{where} is {value!r}, not true or false")
-    elif name == "best_score" and value is not None:
+    elif name in ("best_score", "save_stall_s") and value is not None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             raise CheckpointError(f"{where} is {value!r}, not a number")
     elif name == "wandb_run_id" and value is not None:
