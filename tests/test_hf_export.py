@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from perdure import ConfigError, PerdureError
-from perdure.checkpoints.hf_export import HFShardWriter, plan_shards, publish, staging_dir, write_state_dict
+from perdure.checkpoints.hf_export import HFShardWriter, publish, staging_dir, write_state_dict
 from perdure.cli import main as cli
 from tests.runs import assert_all_ok, run_dir, run_ranks
 from tests.scripts.resumable import ResumableRunner, make_config
@@ -180,5 +180,11 @@ def test_weights_past_the_shard_size_go_to_several_files_with_an_index(tmp_path)
     assert not [path for path in tmp_path.iterdir() if path.name != "hf"]  # no staging or old directory left
     assert_equal(transformers.LlamaForCausalLM.from_pretrained(target).state_dict(), state)
 
+    mixed = {"half": torch.randn(3, 5).bfloat16(), "steps": torch.arange(7), "flag": torch.tensor([True, False])}
+    (tmp_path / "mixed").mkdir()
+    write_state_dict(tmp_path / "mixed", mixed)
+    assert_equal(load_file(tmp_path / "mixed" / "model.safetensors"), mixed)
+    with pytest.raises(PerdureError, match="'b' came where 'a' was expected"):
+        HFShardWriter(tmp_path, [("a", (2,), torch.float32), ("b", (2,), torch.float32)]).add("b", torch.zeros(2))
     with pytest.raises(PerdureError, match="never came"):
-        HFShardWriter(tmp_path, plan_shards([("a", 4), ("b", 4)])).finish()
+        HFShardWriter(tmp_path, [("a", (2,), torch.float32), ("b", (2,), torch.float32)]).finish()

@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -29,7 +30,7 @@ from perdure.checkpoints.commit import fsync_dir, make_staging_dir
 from perdure.errors import ConfigError, PerdureError
 from perdure.safe_io import temporary_name
 
-MAX_SHARD_BYTES = 50 * 10**9  # transformers' `save_pretrained` default (max_shard_size="50GB")
+MAX_SHARD_BYTES = 5 * 10**9  # "5GB": transformers 4's `save_pretrained` default, the Hub's usual shard size
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -62,56 +63,106 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int = MAX_SHARD_B
     }
 
 
-class HFShardWriter:
-    """Writes tensors into the safetensors files of a plan (`plan_shards`), one file as soon as its last tensor
-    arrives; `finish()` writes the index when there are several files. Tensors are copied to the CPU, made contiguous,
-    and cloned when two names share storage (safetensors refuses shared tensors)."""
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
-    def __init__(self, directory: Path, plan: dict[str, str], metadata: dict[str, str] | None = None) -> None:
+TensorSpec = tuple[str, tuple[int, ...], torch.dtype]  # name, full shape, dtype as written
+
+
+class HFShardWriter:
+    """Writes tensors, as they arrive in the order of `specs`, straight into the safetensors files of
+    `plan_shards`: each file's header is written from the specs before its first tensor, then each tensor's bytes are
+    appended, so no more than the tensor being added is ever held. `finish()` writes the index (several files)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        specs: list[TensorSpec],
+        max_shard_bytes: int = MAX_SHARD_BYTES,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        for name, _, dtype in specs:
+            if dtype not in SAFETENSORS_DTYPES:
+                raise PerdureError(f"hf export: {name!r} is a {dtype} tensor, which safetensors does not hold")
         self.directory = directory
-        self.plan = plan
+        self.specs = specs
+        self.plan = plan_shards([(name, tensor_bytes(shape, dtype)) for name, shape, dtype in specs], max_shard_bytes)
         self.metadata = {"format": "pt", **(metadata or {})}
-        self._remaining: dict[str, int] = {}
-        for file in plan.values():
-            self._remaining[file] = self._remaining.get(file, 0) + 1
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
-        self._sizes: dict[str, int] = {}
+        self._next = 0
+        self._file: BinaryIO | None = None
+        self._file_name: str | None = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        file = self.plan.get(name)
-        if file is None or name in self._pending.get(file, {}):
-            raise PerdureError(f"hf export: tensor {name!r} is not in the shard plan, or came twice")
-        tensor = tensor.detach().to("cpu").contiguous()
-        pending = self._pending.setdefault(file, {})
-        if any(tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr() for other in pending.values()):
-            tensor = tensor.clone()
-        pending[name] = tensor
-        self._sizes[name] = tensor_bytes(tensor.shape, tensor.dtype)
-        self._remaining[file] -= 1
-        if self._remaining[file] == 0:
-            self._write(file, self._pending.pop(file))
+        if self._next >= len(self.specs) or self.specs[self._next][0] != name:
+            expected = self.specs[self._next][0] if self._next < len(self.specs) else "none"
+            raise PerdureError(f"hf export: tensor {name!r} came where {expected!r} was expected")
+        _, shape, dtype = self.specs[self._next]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise PerdureError(
+                f"hf export: {name!r} is {tuple(tensor.shape)} {tensor.dtype}, planned as {shape} {dtype}"
+            )
+        if self._file_name != self.plan[name]:
+            self.close()
+            self._open(self.plan[name])
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+        self._next += 1
 
-    def _write(self, file: str, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
+    def _open(self, file: str) -> None:
+        header: dict[str, Any] = {"__metadata__": self.metadata}
+        offset = 0
+        for name, shape, dtype in self.specs:
+            if self.plan[name] == file:
+                size = tensor_bytes(shape, dtype)
+                header[name] = {
+                    "dtype": SAFETENSORS_DTYPES[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [offset, offset + size],
+                }
+                offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self._file = open(self.directory / file, "xb")  # noqa: SIM115  (closed by _close)
+        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+        self._file_name = file
 
-        save_file(tensors, str(self.directory / file), metadata=self.metadata)
+    def close(self) -> None:
+        """Close the file being written (`finish` does; after a failure, the caller)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def finish(self) -> None:
-        """Every planned tensor has been added: write the index (several files). PerdureError names missing ones."""
-        missing = [name for name in self.plan if name not in self._sizes]
-        if missing:
+        """Every planned tensor has been added: close the last file and write the index (several files)."""
+        self.close()
+        if self._next < len(self.specs):
+            missing = [name for name, _, _ in self.specs[self._next :]]
             raise PerdureError(f"hf export: {len(missing)} planned tensors never came: {', '.join(missing[:5])}")
         if len(set(self.plan.values())) > 1:
-            index = {"metadata": {"total_size": sum(self._sizes.values())}, "weight_map": dict(self.plan)}
+            total = sum(tensor_bytes(shape, dtype) for _, shape, dtype in self.specs)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(self.plan)}
             (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def write_state_dict(directory: Path, weights: dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """A full state dict (already in the Hugging Face layout) as the safetensors files of `directory`."""
-    plan = plan_shards([(name, tensor_bytes(t.shape, t.dtype)) for name, t in weights.items()], max_shard_bytes)
-    writer = HFShardWriter(directory, plan)
-    for name, tensor in weights.items():
-        writer.add(name, tensor)
+    writer = HFShardWriter(directory, [(k, tuple(t.shape), t.dtype) for k, t in weights.items()], max_shard_bytes)
+    try:
+        for name, tensor in weights.items():
+            writer.add(name, tensor)
+    except BaseException:
+        writer.close()
+        raise
     writer.finish()
 
 

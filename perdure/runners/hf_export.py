@@ -87,12 +87,16 @@ def hf_metadata(runner: BaseRunner) -> str:
             "config": config if isinstance(config, dict) else config.to_diff_dict(),
             "generation_config": generation.to_diff_dict() if generation is not None else None,
             "tied": tied,
-            "adapter": None if adapter is None else f"{type(adapter).__module__}.{type(adapter).__qualname__}",
+            "adapter": None if adapter is None else _class_name(type(adapter)),
         },
         indent=2,
         sort_keys=True,
         default=str,
     )
+
+
+def _class_name(kind: type) -> str:
+    return kind.__qualname__ if kind.__module__ == "__main__" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def tied_keys(model: torch.nn.Module) -> list[str]:
@@ -232,26 +236,30 @@ def _deepspeed_tensors(runner: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, full.cpu()
 
 
-def _deepspeed_sizes(runner: Any, dtype: torch.dtype | None) -> list[tuple[str, int]]:
+def _deepspeed_specs(runner: Any, dtype: torch.dtype | None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, full shape, dtype written) of what `_deepspeed_tensors` yields, in its order, known on every rank
+    without gathering anything (a ZeRO-3 partition knows its full shape)."""
     module = uncompiled(runner.engine.module)
     parameters = {id(p) for p in module.parameters()}
-    sizes, seen = [], set()
+    specs, seen = [], set()
     for name, value in module.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor) or id(value) in seen:
             continue
         seen.add(id(value))
-        shape = value.ds_shape if hasattr(value, "ds_shape") else value.shape  # a ZeRO-3 partition's full shape
+        shape = value.ds_shape if hasattr(value, "ds_shape") else value.shape
         kind = torch.float32 if id(value) in parameters and value.is_floating_point() else value.dtype
-        sizes.append((name, tensor_bytes(shape, dtype if dtype is not None and kind.is_floating_point else kind)))
-    return sizes
+        specs.append((name, tuple(shape), dtype if dtype is not None and kind.is_floating_point else kind))
+    return specs
 
 
 def _stream(runner: Any, staging: Path, dtype: torch.dtype | None) -> None:
-    """DeepSpeed without an adapter: each parameter gathered on every rank in turn, added to its shard file on the main
-    process, which writes the file as soon as it is complete."""
-    writer = HFShardWriter(staging, plan_shards(_deepspeed_sizes(runner, dtype))) if runner.is_main_process else None
+    """DeepSpeed without an adapter: each parameter gathered on every rank in turn and appended by the main process to
+    the safetensors file it belongs to (checkpoints/hf_export.py `HFShardWriter`): the main process holds one full
+    parameter at a time, never the model."""
+    writer = HFShardWriter(staging, _deepspeed_specs(runner, dtype)) if runner.is_main_process else None
     for name, tensor in _deepspeed_tensors(runner):  # yields on the main process only; every rank gathers
         writer.add(name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
+        del tensor
     if writer is not None:
         writer.finish()
 
