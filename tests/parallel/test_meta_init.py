@@ -1,8 +1,8 @@
 """A Llama built on the meta device (TorchTitan's way: tests/scripts/meta_llama.py, `init_weights(buffer_device=)`) on
 stack=parallel: each rank allocates and initialises only its shards. It starts from the same weights on 1 rank, on
-FSDP2 (2 ranks) and on FSDP2 x TP (4 ranks), RoPE buffers included; killed at step 7 and rerun it ends bit-equal to an
-uninterrupted run; a rank's peak memory once the runner is built stays below the eager construction's by more than
-half the model; and a meta model that nothing initialises is refused, naming the module."""
+FSDP2 (2 ranks), on FSDP2 x TP (4 ranks) and on the torch stack, RoPE buffers included; killed at step 7 and rerun it
+ends bit-equal to an uninterrupted run; a rank's peak memory once the model is sharded stays below the eager
+construction's by more than half the model; and a meta model that nothing initialises is refused, naming the module."""
 
 from __future__ import annotations
 
@@ -62,6 +62,18 @@ def test_meta_model_starts_as_on_one_rank_and_resumes_bit_for_bit(tmp_path, one_
     assert losses(tmp_path / "reference") == losses(tmp_path / "killed")
     first = losses(tmp_path / "reference")
     assert first[10] < first[5] and all(torch.isfinite(torch.tensor(list(first.values()))))
+
+
+@pytest.mark.timeout(120)
+def test_the_torch_stack_materialises_a_meta_model_on_its_device(tmp_path, one_rank):
+    """The same initial weights as the parallel stack's; the optimizer the program built over the meta parameters
+    trains the materialised ones (the runner's coverage check refuses anything else before the first step)."""
+    result = run_ranks(1, "meta_llama.py", tmp_path, *COMMON, "--stack", "torch", BUILD="meta",
+                       USER_OPTIMIZER="1", INITIAL_WEIGHTS=tmp_path / "initial.pt")  # fmt: skip
+    assert_all_ok(result)
+    assert_same_weights(one_rank, torch.load(tmp_path / "initial.pt", weights_only=True))
+    trained = losses(tmp_path)
+    assert trained[10] < trained[5]
 
 
 @pytest.mark.timeout(300)

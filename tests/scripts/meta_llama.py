@@ -3,8 +3,10 @@ TorchTitan's `init_weights(buffer_device=...)` (the RoPE tables recomputed, ever
 launch it.
 
 Environment knobs (tests only):
-  BUILD            meta (default): under `self.init_module()`; eager: the same model on the CPU; bare: on meta, a model
-                   class without init_weights whose root owns the RoPE buffers (what the runner must refuse)
+  BUILD            init_module (default): under `self.init_module()` (the meta device on stack=parallel); meta: under
+                   `torch.device("meta")` on any stack; eager: the same model on the CPU; bare: on meta, a model class
+                   without init_weights whose root owns the RoPE buffers (what the runner must refuse)
+  USER_OPTIMIZER   the program builds its AdamW in __init__, over the parameters as built
   KILL_AT_STEP     SIGKILL this very process when `global_step` reaches this value (every rank at the same step)
   INITIAL_WEIGHTS  rank 0 writes the whole model's weights and buffers there once the runner is built (before any step)
   PEAK_RSS         each rank writes how far its resident memory rose above its start (bytes: the peak from the start
@@ -68,13 +70,15 @@ class TestRunner(llama.LlamaRunner):
     def __init__(self, config):
         super(llama.LlamaRunner, self).__init__(config)  # LlamaRunner's own builds its model eagerly: not called
         m = config.model
-        build = os.environ.get("BUILD", "meta")
+        build = os.environ.get("BUILD", "init_module")
         if build == "eager":
             self.model = MetaLlama(m.vocab, m.dim, m.layers, m.heads, m.hidden, m.seq_len, m.rope_theta)
         else:
-            with self.init_module():
+            with torch.device("meta") if build in ("meta", "bare") else self.init_module():
                 model_class = BareLlama if build == "bare" else MetaLlama
                 self.model = model_class(m.vocab, m.dim, m.layers, m.heads, m.hidden, m.seq_len, m.rope_theta)
+        if os.environ.get("USER_OPTIMIZER"):  # over the parameters as built (on meta): the runner must keep them
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.optim.lr)
         self.criterion = llama.cross_entropy
         self.datasets["train"] = llama.TokenWindows(config.data.tokens, m.vocab, m.seq_len, seed=0)
         self.datasets["val"] = llama.TokenWindows(config.data.tokens // 8, m.vocab, m.seq_len, seed=1)
