@@ -1,5 +1,5 @@
-"""The run page's facts that are not checkpoints or curves: config and git state (from `metadata/`), the attempts
-(from the sidecar) and the log files (tailed, never loaded whole).
+"""The run page's facts that are not checkpoints or curves: config and git state (from `metadata/`), the attempts and
+the goodput (from the sidecar) and the log files (tailed, never loaded whole).
 
 The metadata shown is the newest attempt's copy (`metadata/attempts/<attempt>/`), so a run extended with a larger
 budget shows the budget it runs with now; a run from before per-attempt copies falls back to the top-level files.
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.web.files import KIB, MIB, Refused, StatCache, inside, read_head, read_tail, read_yaml, signature
+from perdure.workspace.goodput import RUN_PARTS, is_goodput
 from perdure.workspace.metadata import ATTEMPTS_DIR, METADATA_DIR
 from perdure.workspace.sidecar import SIDECAR_NAME, SidecarError, parse_stamp, read_sidecar
 
@@ -144,9 +145,28 @@ def attempts(root: Path, run_dir: Path) -> tuple[list[dict[str, Any]], str | Non
                     for item in attempt.get("save_failures") or []
                     if isinstance(item, dict)
                 ],
+                "goodput": _goodput(attempt.get("goodput")),
             }
         )
     return found, None
+
+
+def run_goodput(root: Path, run_dir: Path) -> dict[str, Any] | None:
+    """The run's goodput from its sidecar (`perdure.workspace.goodput`): `{"fraction", "seconds": {part: s}}` with
+    the run's parts in order; None when it has none or the sidecar cannot be read (the attempts say why)."""
+    try:
+        data = read_sidecar(inside(root, run_dir / SIDECAR_NAME))
+    except (Refused, SidecarError):
+        return None
+    return _goodput(data.get("goodput"))
+
+
+def _goodput(value: Any) -> dict[str, Any] | None:
+    """A goodput record as the page shows it: the fraction and the known parts' seconds, in order."""
+    if not is_goodput(value):
+        return None
+    seconds = value["seconds"]
+    return {"fraction": value["fraction"], "seconds": {part: seconds[part] for part in RUN_PARTS if part in seconds}}
 
 
 def log_files(root: Path, run_dir: Path) -> list[dict[str, Any]]:

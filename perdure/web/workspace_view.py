@@ -16,7 +16,7 @@ from urllib.parse import quote
 from perdure.checkpoints.commit import CHECKPOINT_PATTERN
 from perdure.web.checkpoint_status import CHECKPOINTS_DIR, CheckpointVerifier, checkpoint_table
 from perdure.web.files import Refused, StatCache, inside, join_inside, signature
-from perdure.web.run_detail import MetadataReader, attempts, iso, log_files, log_tail
+from perdure.web.run_detail import MetadataReader, attempts, iso, log_files, log_tail, run_goodput
 from perdure.web.series import (
     IMAGE_SUFFIXES,
     MEDIA_DIR,
@@ -149,6 +149,7 @@ class WorkspaceView:
             "config": self.metadata.config(path),
             "attempt_list": history,
             "attempts_problem": problem,
+            "goodput": run_goodput(self.root, path),
             "checkpoints": checkpoint_table(path, self.verifier),
             "logs": log_files(self.root, path),
         }

@@ -54,6 +54,10 @@ def test_run_page_data(web_workspace):
     assert set(run["config"]["git"]) >= {"commit", "code_id", "branch", "dirty"}
     (attempt,) = run["attempt_list"]
     assert (attempt["status"], attempt["exit_reason"], attempt["steps_lost"]) == ("completed", "budget reached", 0)
+    goodput = run["goodput"]  # one attempt: the run's parts are the attempt's, no queue
+    assert list(goodput["seconds"])[:3] == ["startup", "restore", "compile"] and goodput["seconds"]["queue"] == 0
+    assert goodput["seconds"]["kept_training"] == attempt["goodput"]["seconds"]["kept_training"] > 0
+    assert 0 < goodput["fraction"] == attempt["goodput"]["fraction"] < 1
     deadline = time.monotonic() + 60  # sizes at once, checksums once the background verification is through
     while not all(c["checked"] == "checksums" for c in run["checkpoints"]["checkpoints"]):
         assert all(c["verified"] for c in run["checkpoints"]["checkpoints"]) and time.monotonic() < deadline

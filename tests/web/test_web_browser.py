@@ -189,6 +189,8 @@ def test_browse_compare_step_through_images_and_open_a_run(web_workspace, browse
     wait(d, lambda d: all("\u2713 checksums" in row for row in d.execute_script(rows)), "checksums verified")
     assert len(d.execute_script(rows)) == 3
     assert "budget reached" in d.find_element(By.ID, "attempt-list").text
+    goodput = d.find_element(By.ID, "goodput-list").text
+    assert "of the run's wall time trained the model" in goodput and "checkpoint_stall" in goodput
     assert "steps" in d.find_element(By.ID, "config-body").text
     assert "commit" in d.find_element(By.ID, "git-body").text
     wait(d, lambda d: "finished at step 30" in d.find_element(By.ID, "log-text").text, "the log tail")

@@ -1,6 +1,6 @@
 /* perdure web: one run's page. Its facts, curves and images; checkpoints with their manifests and verification;
-   attempts with their exit reasons and steps lost; config (diff against the defaults, and in full); git state;
-   the tail of its log. While the run is running the page refreshes itself. */
+   the goodput (where the run's time went); attempts with their exit reasons and steps lost; config (diff against
+   the defaults, and in full); git state; the tail of its log. While the run is running the page refreshes itself. */
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -54,6 +54,7 @@ function renderSummary(run) {
     ["code / config", el("span", {class: "mono"}, `${run.code_id || "–"} / ${run.config_id}`)],
     ["step / budget", stepCell(run)],
     ["attempts", fmtNum(run.attempts)],
+    ["goodput", run.goodput ? `${(100 * run.goodput.fraction).toFixed(1)}%` : "–"],
     [`${run.metric} latest`, fmtNum(run.metric_latest)],
     [`${run.metric} best`, best],
     ["last checkpoint", checkpointCell(run)],
@@ -93,6 +94,29 @@ function renderCheckpoints(info) {
     parts.push(el("h3", {}, "Being written (or interrupted)"), el("p", {class: "mono"}, info.in_flight.join(", ")));
   }
   $("checkpoint-list").replaceChildren(...parts);
+}
+
+/* Where the run's wall time went: the fraction that trained the model, then seconds per part, the run's and each
+   attempt's (docs/workspace.md, "Goodput"). */
+function renderGoodput(run) {
+  const goodput = run.goodput;
+  if (!goodput) {
+    $("goodput-list").replaceChildren(empty("No goodput recorded (a run from before perdure measured it)."));
+    return;
+  }
+  const percent = (part, whole) => whole > 0 ? `${(100 * part / whole).toFixed(1)}%` : "–";
+  const wall = Object.values(goodput.seconds).reduce((a, b) => a + b, 0);
+  const seconds = (value) => typeof value === "number" ? value.toFixed(2) : "–";
+  const rows = Object.entries(goodput.seconds).map(([part, value]) => [
+    part, seconds(value), percent(value, wall),
+    ...run.attempt_list.map((a) => seconds(a.goodput ? a.goodput.seconds[part] : null)),
+  ]);
+  rows.push(["wall", seconds(wall), "100.0%", ...run.attempt_list.map((a) =>
+    seconds(a.goodput ? Object.values(a.goodput.seconds).reduce((x, y) => x + y, 0) : null))]);
+  $("goodput-list").replaceChildren(
+    el("p", {}, `goodput ${percent(goodput.fraction, 1)} of the run's wall time trained the model (kept training)`),
+    table(["part", "run s", "share", ...run.attempt_list.map((a) => `#${a.number} s`)], rows,
+      rows[0].map((_, i) => i).slice(1)));
 }
 
 function renderAttempts(run) {
@@ -183,6 +207,7 @@ async function load() {
   curves.setRuns([{id: run.id, color: COLOR, metrics: metrics.metrics}]);
   images.setRuns([{id: run.id, color: COLOR, media: media.media}]);
   renderCheckpoints(run.checkpoints);
+  renderGoodput(run);
   renderAttempts(run);
   renderConfig(run.config);
   renderGit(run.config);
