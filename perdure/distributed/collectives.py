@@ -74,15 +74,14 @@ def sum_over_ranks(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def gather_numbers(values: list[float]) -> list[list[float]]:
-    """Every rank's list of numbers (all of the same length; float64), in rank order, on every rank (one
-    collective)."""
+def max_each_of_floats(values: list[float]) -> list[float]:
+    """Element-wise largest of a list of numbers over all ranks (float64), on every rank (one collective): with a
+    slot per rank holding that rank's number and a floor elsewhere, every rank's number, for an all-reduce's cost."""
     if not is_distributed():
-        return [list(values)]
+        return list(values)
     tensor = torch.tensor(values, dtype=torch.float64, device=_device())
-    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, tensor)
-    return [item.tolist() for item in gathered]
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 def barrier() -> None:

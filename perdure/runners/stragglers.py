@@ -6,11 +6,13 @@ every rank waits for the slowest, so they take the same wall time on every rank 
 (Under FSDP or tensor parallelism the forward holds collectives too, so a slow rank shows less clearly there.)
 
 At every train log line the ranks exchange that time per step in the collective that agrees on a preemption signal
-anyway (the loop runs it after every step, `BaseRunner.stop_requested`): at a log line it gathers (signal, time per
-step) from each rank instead of reducing the signal alone, and the loop's stop check right after uses the signal
-agreed there. So a log interval costs no collective more than it did; the first log line also gathers the ranks'
-host names, once. Rank 0 logs the ranks more than `SLOW_RATIO` times slower than the median (rank, host, its time,
-the median); the train log line (and so `metrics.csv`) carries the ranks' min, median and max time per step.
+anyway (the loop runs it after every step, `BaseRunner.stop_requested`): at a log line that all-reduce (MAX) carries,
+besides the signal, one slot per rank, in which only that rank writes its time (the others a floor), so it returns
+every rank's time; the loop's stop check right after uses the signal agreed there. So a log interval costs no
+collective more than it did, only a vector of world size + 1 numbers instead of one; the first log line also gathers
+the ranks' host names, once. Rank 0 logs the ranks more than `SLOW_RATIO` times slower than the median (rank, host,
+its time, the median); the train log line (and so `metrics.csv`) carries the ranks' min, median and max time per
+step.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import logging
 import socket
 import statistics
 
-from perdure.distributed.collectives import all_gather_object, gather_numbers, max_over_ranks
+from perdure.distributed.collectives import all_gather_object, max_each_of_floats, max_over_ranks
 
 SLOW_RATIO = 1.2  # a rank more than 20% slower than the median is named
 MAX_NAMED = 4  # the slowest ranks a warning names at most
+NO_TIME = -1.0  # a slot no rank filled (an all-reduce MAX keeps the one rank's own time)
 
 logger = logging.getLogger("perdure")
 
@@ -57,11 +60,13 @@ class StragglerWatch:
             return {}
         if self.hosts is None:
             self.hosts = [str(host) for host in all_gather_object(socket.gethostname())]
-        gathered = gather_numbers([float(signal), own, 1.0 if steps > 0 else 0.0])
-        self._agreed = int(max(row[0] for row in gathered))
-        if not all(row[2] for row in gathered):
+        slots = [NO_TIME] * (self.world_size + 1)
+        slots[0], slots[1 + self.rank] = float(signal), own if steps > 0 else NO_TIME
+        reduced = max_each_of_floats(slots)
+        self._agreed = int(reduced[0])
+        times = reduced[1:]
+        if any(seconds < 0 for seconds in times):  # a rank without a step since the last line
             return {}
-        times = [row[1] for row in gathered]
         median = statistics.median(times)
         if self.rank == 0:
             self._name_slow_ranks(step, times, median)
