@@ -45,6 +45,8 @@ class GoodputClock:
         self.training = 0.0  # the attempt's steps after the first
         self.steps_timed = 0
         self.saves = 0  # the saves whose stall `checkpoint_stall` adds up
+        self.committed_training = 0.0  # `training` when the step of the last committed checkpoint ended
+        self._saving: dict[int, float] = {}  # saves not yet committed: their step -> `training` at that step
         self.step = self.committed_step = step
         self._step_mark: float | None = None  # when the step being trained began (None: the loop is not running)
         self._blocked = 0.0  # evaluation and save seconds since that mark: not the step's
@@ -66,6 +68,7 @@ class GoodputClock:
     def loop_started(self, step: int) -> None:
         """The training loop starts at `step`; the next step is the compile step."""
         self.committed_step = max(self.committed_step, step)  # the checkpoint it resumed from, or the start
+        self.committed_training = 0.0
         self.step = step
         self._step_mark, self._blocked, self._first_step = time.perf_counter(), 0.0, True
 
@@ -89,6 +92,7 @@ class GoodputClock:
         elif part == "checkpoint_stall":
             self.checkpoint_stall += seconds
             self.saves += 1
+            self._saving[self.step] = self.training  # a save happens where a step ended
         else:
             raise ValueError(f"goodput part {part!r} is not evaluation or checkpoint_stall")
         self._blocked += seconds
@@ -105,7 +109,10 @@ class GoodputClock:
         """Checkpoint `name` committed; `step` stands in for its step when the name has none (epoch checkpoints)."""
         match = CHECKPOINT_PATTERN.match(name)
         at = int(match["step"]) if match is not None and match["step"] is not None else step
+        if at >= self.committed_step and at in self._saving:
+            self.committed_training = self._saving[at]
         self.committed_step = max(self.committed_step, at)
+        self._saving = {pending: seconds for pending, seconds in self._saving.items() if pending > at}
 
     def record(self) -> dict[str, float]:
         """The raw record (`perdure.workspace.goodput`), taken now."""
@@ -121,4 +128,5 @@ class GoodputClock:
             "steps_timed": self.steps_timed,
             "step": self.step,
             "committed_step": self.committed_step,
+            "committed_training": round(self.committed_training, 6),
         }

@@ -62,19 +62,23 @@ def attempt_goodput(clock: Mapping[str, Any], *, ended: float, reached_step: int
     `reached_step`, of which the steps up to `kept_step` were kept (the step the next attempt resumed from, or the last
     committed checkpoint while there is none).
 
-    Steps the attempt trained after its last record (a SIGKILL ends it between two records: `reached_step` comes from
-    its heartbeats) are training time at the attempt's step time, up to the time left. Returns `{"fraction",
-    "seconds": {part: s}, "lost_steps", "step_time"}`.
+    An attempt that trained past its last record (a SIGKILL ends it between two records: `reached_step` comes from
+    its heartbeats) was training from that record to its end. The lost part is the training time after the step
+    the record says was last committed when that is the step kept (`committed_training`), else the lost steps at the
+    attempt's mean step time. Returns `{"fraction", "seconds": {part: s}, "lost_steps", "step_time"}`.
     """
     per_step = step_time(clock)
     training = float(clock["training"])
-    last = int(clock["step"])
-    since_record = max(ended - float(clock["at"]), 0.0)
-    training += min(max(reached_step - last, 0) * per_step, since_record)
+    if reached_step > int(clock["step"]):
+        training += max(ended - float(clock["at"]), 0.0)
     lost_steps = max(reached_step - kept_step, 0)
-    first_step = int(clock["step"]) - int(clock["steps_timed"])  # the compile step: timed as compile, kept or not
-    timed_lost = lost_steps - (1 if kept_step < first_step <= reached_step else 0)
-    lost = min(max(timed_lost, 0) * per_step, training)
+    committed_training = _finite(clock.get("committed_training"))
+    if kept_step == int(clock["committed_step"]) and committed_training is not None:
+        lost = training - committed_training if lost_steps else 0.0
+    else:
+        first_step = int(clock["step"]) - int(clock["steps_timed"])  # the compile step: timed as compile, kept or not
+        lost = max(lost_steps - (1 if kept_step < first_step <= reached_step else 0), 0) * per_step
+    lost = min(max(lost, 0.0), training)
     seconds = {part: float(clock[part]) for part in _TIMED}
     seconds["kept_training"] = training - lost
     seconds["lost_training"] = lost
