@@ -10,9 +10,9 @@ anyway (the loop runs it after every step, `BaseRunner.stop_requested`): at a lo
 besides the signal, one slot per rank, in which only that rank writes its time (the others a floor), so it returns
 every rank's time; the loop's stop check right after uses the signal agreed there. So a log interval costs no
 collective more than it did, only a vector of world size + 1 numbers instead of one; the first log line also gathers
-the ranks' host names, once. Rank 0 logs the ranks more than `SLOW_RATIO` times slower than the median (rank, host,
-its time, the median); the train log line (and so `metrics.csv`) carries the ranks' min, median and max time per
-step.
+the ranks' host names, once. Rank 0 logs the ranks more than `SLOW_RATIO` times slower than the median, and by more
+than `SLOW_FLOOR_S` (rank, host, its time, the median); the train log line (and so `metrics.csv`) carries the ranks'
+min, median and max time per step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import statistics
 
 from perdure.distributed.collectives import all_gather_object, max_each_of_floats, max_over_ranks
 
-SLOW_RATIO = 1.2  # a rank more than 20% slower than the median is named
+SLOW_RATIO = 1.2  # a rank more than 20% slower than the median is named ...
+SLOW_FLOOR_S = 0.001  # ... when that is also more than a millisecond a step (tiny forwards jitter by more than 20%)
 MAX_NAMED = 4  # the slowest ranks a warning names at most
 NO_TIME = -1.0  # a slot no rank filled (an all-reduce MAX keeps the one rank's own time)
 
@@ -81,7 +82,8 @@ class StragglerWatch:
         return max_over_ranks(received)
 
     def _name_slow_ranks(self, step: int, times: list[float], median: float) -> None:
-        slow = sorted((rank for rank, seconds in enumerate(times) if seconds > SLOW_RATIO * median),
+        slow = sorted((rank for rank, seconds in enumerate(times)
+                       if seconds > SLOW_RATIO * median and seconds - median > SLOW_FLOOR_S),
                       key=lambda rank: -times[rank])  # fmt: skip
         if not slow or median <= 0:
             return
