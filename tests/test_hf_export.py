@@ -132,8 +132,19 @@ def test_a_model_of_its_own_is_published_as_hugging_face_llama_through_its_adapt
     assert not (tmp_path / "cli").exists()
     rebuilt = HFLlamaRunner.from_checkpoint(run / "checkpoints" / "latest", config_class=llama.Config)
     rebuilt.export_hf(tmp_path / "again")
+    assert_equal(safetensors_of(tmp_path / "again"), safetensors_of(run / "hf"))
+
+    # An export that fails leaves the previous one in place and no staging directory behind.
+    class Failing(LlamaStateDictAdapter):
+        def to_hf(self, state_dict):
+            raise KeyError("no Hugging Face name for 'extra.weight'")
+
+    monkeypatch.setattr(rebuilt, "state_dict_adapter", lambda: Failing(m.heads))
+    with pytest.raises(KeyError, match="extra.weight"):
+        rebuilt.export_hf(tmp_path / "again")
     rebuilt.close()
     assert_equal(safetensors_of(tmp_path / "again"), safetensors_of(run / "hf"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["again", "runs"]
 
 
 class NoHFConfig(ResumableRunner):

@@ -134,12 +134,17 @@ def export_hf(runner: BaseRunner, target: Path | None = None) -> Path | None:
         jobs.append((target.with_name(target.name + "-ema") if target.name != HF_DIR else target.parent / HF_EMA_DIR,
                      True))  # fmt: skip
     for directory, ema in jobs:
-        staging = broadcast_object(str(staging_dir(directory)) if runner.is_main_process else None)
-        _write_weights(runner, Path(staging), ema)
-        if runner.is_main_process:
-            if not (Path(staging) / "config.json").exists():
-                write_config(Path(staging), config, generation)
-            publish(Path(staging), directory)
+        staging = Path(broadcast_object(str(staging_dir(directory)) if runner.is_main_process else None))
+        try:
+            _write_weights(runner, staging, ema)
+            if runner.is_main_process:
+                if not (staging / "config.json").exists():
+                    write_config(staging, config, generation)
+                publish(staging, directory)
+        except BaseException:
+            if runner.is_main_process:
+                shutil.rmtree(staging, ignore_errors=True)  # the previous export, if any, is still in place
+            raise
         if is_distributed():
             barrier()
     if runner.is_main_process:
