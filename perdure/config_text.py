@@ -21,6 +21,8 @@ NULL = ("none", "null", "~")
 NUMBER = re.compile(r"^[+-]?(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 BARE = object()  # marker: an option given without a value
 
+# Counts that also take the word `auto` (perdure.checkpoints.auto_interval), whatever number a program set.
+AUTO_COUNT_KEYS = frozenset({"ckpt.interval"})
 # Keys holding a path or a name: command-line text is kept verbatim (no YAML typing); "none" / "null" clear them.
 OPTIONAL_STR_KEYS = frozenset(
     {
@@ -90,6 +92,8 @@ def coerce_text(key: str, text: Any, current: Any) -> Any:
         raise ConfigError(key, text, "use auto, true or false (a bare --resume means true)")
     if key in OPTIONAL_STR_KEYS:
         return None if low in NULL or not low else text
+    if key in AUTO_COUNT_KEYS and low == "auto":
+        return "auto"
     if isinstance(current, bool):
         if low in TRUE or low in FALSE:
             return low in TRUE

@@ -64,3 +64,9 @@ def test_auto_saves_where_its_logged_schedule_says(tmp_path):
     assert saved[2] == min(following, 320)
     # the decision at step 200 is stored in that checkpoint's state with its input: the stall of the save at 100
     assert runner.state.save_stalls == 1 and runner.state.save_stall_s > 0
+
+
+def test_auto_on_the_command_line_over_a_programs_number(tmp_path):
+    config = make_config(tmp_path, steps=10, **{"ckpt.interval": 50}).parse(["--ckpt.interval", "auto"])
+    assert config.ckpt.interval == "auto"
+    assert make_config(tmp_path, steps=10).parse(["--ckpt.interval", "20"]).ckpt.interval == 20
