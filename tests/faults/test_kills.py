@@ -28,13 +28,22 @@ from tests.runs import (
 )
 
 # A model whose checkpoint (~2.4 MB with AdamW state) takes a real share of each short step, saved every 2 steps
-# with retention on, so kills land in training, in writing, in committing, in pointer updates and in pruning. The
-# budget is large enough that every kill lands before the run could finish.
-ARGS = ("--steps", "300", "--width", "256", "--depth", "2", "--ckpt.interval", "2", "--ckpt.keep_latest_k", "2")
+# with retention on, so kills land in training, in writing, in committing, in pointer updates and in pruning. Each
+# test's budget (--steps) is large enough that every kill lands before the run could finish: 9 kills at most 0.3 s
+# into training reach about step 15 here, with at least 0.02 s a step at most 144; 6 kills at most 1.2 s in (the
+# process writer's) keep 300. A kill at a chosen point of the save lands by the 4th save (step 8).
+MODEL = ("--width", "256", "--depth", "2", "--ckpt.interval", "2", "--ckpt.keep_latest_k", "2")
 STEP_SLEEP = "0.02"
-# A kill at a chosen point of the save lands by the 4th save (step 8): the rerun needs only a few saves and prunes
-# after it, not the random kills' budget.
-CHOSEN_ARGS = ("--steps", "24", *ARGS[2:])
+
+
+def reference(tmp_path_factory: pytest.TempPathFactory, steps: int) -> Path:
+    """The uninterrupted run of `steps` steps (with its LOSS_LOG), built once per session."""
+    args = ("--steps", str(steps), *MODEL)
+    return built_once(
+        tmp_path_factory,
+        f"kills-reference-{steps}",
+        lambda root: assert_ok(run("resumable.py", root, *args, LOSS_LOG=root / "losses.jsonl")),
+    )
 
 
 def assert_latest_verifies(root: Path) -> None:
@@ -64,27 +73,16 @@ def kill_at_random(root: Path, args: tuple[str, ...], delay: float, loss_log: Pa
     return process.wait(timeout=60)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    return built_once(
-        tmp_path_factory,
-        "kills-reference",
-        lambda root: assert_ok(run("resumable.py", root, *ARGS, LOSS_LOG=root / "losses.jsonl")),
-    )
-
-
-@pytest.fixture(scope="module")
-def short_reference(tmp_path_factory) -> Path:
-    return built_once(
-        tmp_path_factory, "kills-short-reference", lambda root: assert_ok(run("resumable.py", root, *CHOSEN_ARGS))
-    )
-
-
-@pytest.mark.parametrize(("mode", "kills", "longest"), [("disabled", 9, 0.3), ("thread", 9, 0.3), ("process", 6, 1.2)])
-def test_random_kills_never_corrupt_and_resume_bit_exact(reference, tmp_path, mode, kills, longest):
+@pytest.mark.parametrize(
+    ("mode", "kills", "longest", "steps"),
+    [("disabled", 9, 0.3, 150), ("thread", 9, 0.3, 150), ("process", 6, 1.2, 300)],
+)
+def test_random_kills_never_corrupt_and_resume_bit_exact(tmp_path_factory, tmp_path, mode, kills, longest, steps):
     # Kills this close together often land before a new checkpoint: three in a row would make the run `stuck` (exit
     # 93, tests/faults/test_crash_loop.py); here every kill must resume, so the crash-loop limit is out of reach.
-    args = (*ARGS, "--ckpt.async_mode", mode, "--resilience.max_attempts_without_progress", str(kills + 1))
+    expected_run = reference(tmp_path_factory, steps)
+    args = ("--steps", str(steps), *MODEL, "--ckpt.async_mode", mode)
+    args += ("--resilience.max_attempts_without_progress", str(kills + 1))
     root, loss_log = tmp_path / "run", tmp_path / "losses.jsonl"
     rng = random.Random(f"kills-{mode}")
     killed_mid_run = 0
@@ -100,16 +98,16 @@ def test_random_kills_never_corrupt_and_resume_bit_exact(reference, tmp_path, mo
     assert killed_mid_run == kills, "every kill must land while the run is alive"
     assert_ok(run("resumable.py", root, *args))
     assert_latest_verifies(root)
-    assert_same_weights(final_weights(reference), final_weights(root))
-    expected = read_losses(reference / "losses.jsonl")
+    assert_same_weights(final_weights(expected_run), final_weights(root))
+    expected = read_losses(expected_run / "losses.jsonl")
     for position, loss in read_losses(loss_log).items():
         assert expected[position] == loss, f"loss at {position} differs"
 
 
 @pytest.mark.parametrize("mode", ["disabled", "thread"])
 @pytest.mark.parametrize("fault", ["pointer:3", "prune:2", "write:4"])
-def test_kill_at_a_chosen_point_of_the_save(short_reference, tmp_path, mode, fault):
-    args = (*CHOSEN_ARGS, "--ckpt.async_mode", mode)
+def test_kill_at_a_chosen_point_of_the_save(tmp_path_factory, tmp_path, mode, fault):
+    args = ("--steps", "24", *MODEL, "--ckpt.async_mode", mode)
     root = tmp_path / "run"
     killed = run("resumable.py", root, *args, FAULT=fault)
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
@@ -121,4 +119,4 @@ def test_kill_at_a_chosen_point_of_the_save(short_reference, tmp_path, mode, fau
         assert "interrupted save" in rerun.stdout
     assert not list((run_dir(root) / "checkpoints").glob(".prune-*"))
     assert_latest_verifies(root)
-    assert_same_weights(final_weights(short_reference), final_weights(root))
+    assert_same_weights(final_weights(reference(tmp_path_factory, 24)), final_weights(root))
