@@ -198,9 +198,9 @@ class BaseRunner(
         if self.scheduler is None:
             total = self.config.sched.total_steps or self.total_steps_hint()
             self.scheduler = build_scheduler(self.optimizer, self.config.sched, total)
-        if self.config.ema.enabled and self.ema is None:
-            self.ema = ExponentialMovingAverage(self.unwrap_model(), self.config.ema.decay)
         self.distribute_model()
+        if self.config.ema.enabled and self.ema is None:  # of the distributed model: no whole copy of a sharded one
+            self.ema = ExponentialMovingAverage(self.unwrap_model(), self.config.ema.decay)
         check_parameter_coverage(self.optimizer, self.model)  # each trainable parameter in the optimizer, once
         check_state_dict_round_trip(self.unwrap_model())  # what a checkpoint saves of it loads back unchanged
         self.build_dataloaders()
@@ -240,9 +240,10 @@ class BaseRunner(
         return self.rank, self.world_size
 
     def distribute_model(self) -> None:
-        """Called in `__post_init__` once the optimizer, scheduler and EMA exist, before the dataloaders and the
-        restore: a stack that replaces the model's parameters (sharding, splitting into pipeline stages) does it here
-        and moves the optimizer, scheduler and EMA onto the new parameters. Must not write anything. Default: none."""
+        """Called in `__post_init__` once the optimizer and scheduler exist (and an EMA the user built), before
+        `ema.enabled` builds the EMA, the dataloaders and the restore: a stack that replaces the model's parameters
+        (sharding, splitting into pipeline stages) does it here and moves the optimizer, scheduler and EMA onto the
+        new parameters. Must not write anything. Default: none."""
 
     def wrap_model(self) -> None:
         """Called last in `__post_init__`, after the restore: wrap the model for distributed training (DDP, ...)."""
