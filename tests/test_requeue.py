@@ -197,11 +197,13 @@ def test_the_live_unfinished_run_of_other_code_is_not_trained_twice(repo, tmp_pa
     root = tmp_path / "runs"
     slow = tmp_path / "slow"
     slow.touch()
-    command = [sys.executable, str(repo / "train.py"), "--workspace.root", str(root), *ARGS]
+    # a checkpoint every 2 steps (the interval is no part of the run's identity): held from the start, it commits one
+    # after 2 s instead of 10
+    command = [sys.executable, str(repo / "train.py"), "--workspace.root", str(root), *ARGS, "--ckpt.interval", "2"]
     live = zygote.popen(command, env=environment(STEP_SLEEP="1", SLOW_WHILE=str(slow)), stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        while not list(root.glob("*/*/checkpoints/ckpt-s000000000010/manifest.json")):
+        while not list(root.glob("*/*/checkpoints/ckpt-s000000000002/manifest.json")):
             assert live.poll() is None, live.stdout.read()
             time.sleep(0.01)
         commit_something(repo)
