@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.config import RunnerConfig
+from perdure.resilience.rank_heartbeat import reached_step as ranks_reached_step
 from perdure.runners.state import RunnerState
 from perdure.runners.telemetry import RunTelemetry
 from perdure.safe_io import open_writable
@@ -78,17 +79,19 @@ class ReplicaSidecar(Sidecar):
         with self._lock:
             everyone = self._data["attempts"]
             self._data["attempts"] = [a for a in everyone if _replica_of(a) == self.replica_id]
-            previous = self._data["attempts"][-1] if self._data["attempts"] else None
             try:
-                self._own = super().start_attempt(**kwargs)
-                # What *this group* trained past the checkpoint it resumes (the shared heartbeat is any group's).
-                reached = int(previous.get("last_step") or 0) if previous is not None else 0
-                self._own["steps_lost"] = max(reached - int(kwargs["resumed_step"]), 0)
+                self._own = super().start_attempt(**kwargs)  # steps_lost: what *this group* trained (`_reached_step`)
             finally:
                 others = [a for a in everyone if _replica_of(a) != self.replica_id]
                 self._data["attempts"] = sorted(others + self._data["attempts"], key=lambda a: str(a.get("started")))
             self.record_ft.update(attempt=self._own["started"], steps_committed=0, steps_uncommitted=0, heals=[])
             return self._own
+
+    def _reached_step(self, attempt: Mapping[str, Any]) -> int:
+        """How far this group's previous `attempt` trained: its last record, or further as its own ranks' heartbeats
+        said (the run's shared `heartbeat` is any group's)."""
+        own = ranks_reached_step(self.run_dir, str(attempt.get("started"))) or 0
+        return max(int(attempt.get("last_step") or 0), own)
 
     def write(self, durable: bool = True) -> None:
         with self._lock, _locked(self.run_dir / SIDECAR_LOCK):

@@ -158,8 +158,7 @@ class Sidecar:
             self._end_unrecorded(previous)
             lost = 0
             if previous is not None:
-                reached = max(int(previous.get("last_step") or 0), heartbeat_step(self.run_dir) or 0)
-                reached = max(reached, ranks_reached_step(self.run_dir, str(previous.get("started"))) or 0)
+                reached = self._reached_step(previous)
                 lost = max(reached - int(resumed_step), 0)
                 previous["last_step"] = reached  # a killed attempt trained past its last record
                 previous["steps_done"] = max(reached - int(previous.get("resumed_step") or 0), 0)
@@ -227,6 +226,12 @@ class Sidecar:
             if entry["max"] is None or value > entry["max"]:
                 entry["max"], entry["max_step"] = value, step
         self._data["summary"][key] = entry
+
+    def _reached_step(self, attempt: Mapping[str, Any]) -> int:
+        """How far `attempt` (the one before the attempt starting now) trained: its last record, or further as its
+        heartbeats last said (the run's `heartbeat` and its ranks' `heartbeats/`, which a SIGKILL leaves in place)."""
+        reached = max(int(attempt.get("last_step") or 0), heartbeat_step(self.run_dir) or 0)
+        return max(reached, ranks_reached_step(self.run_dir, str(attempt.get("started"))) or 0)
 
     def record_goodput(self, clock: Mapping[str, float], process_started: str) -> None:
         """The attempt's raw goodput record (`perdure.runners.goodput`), taken now: its `goodput` is derived
