@@ -2,7 +2,7 @@
 
     python benchmarks/run.py [step_overhead] [save_throughput] [async_stall] [writer_handover] [dcp_save]
                              [ddp_step] [parallel_step] [deepspeed_step] [sampler_scale] [gpu] [ft_recovery]
-                             [--strict]
+                             [mirror] [model_memory] [--strict]
 
 Each benchmark prints its own table and writes `bench-results/<name>.json`; `gpu` says it skipped where there is no
 CUDA device. A missed target is reported, not
@@ -38,6 +38,7 @@ BENCHMARKS = (
     "gpu",
     "ft_recovery",
     "mirror",
+    "model_memory",
 )
 
 
@@ -141,6 +142,13 @@ def summary_rows(name: str, record: dict[str, Any]) -> list[list[Any]]:
             [name, f"{mode}: stall per save s / total s / peak RSS GiB", f"{r['stall_per_save_s']:.3f} / "
              f"{r['total_s']:.1f} / {r['peak_rss_gb']:.2f}", "", ""]
             for mode, r in results.items()
+        ]  # fmt: skip
+    if name == "model_memory":
+        return [
+            [name, f"{case}: peak over the baseline / M, construct / build / step / checkpoint / export",
+             " / ".join(f"{value:.2f}" for value in r["rise_over_M"].values()), "",
+             ""]
+            for case, r in results.items()
         ]  # fmt: skip
     return []
 

@@ -1,0 +1,240 @@
+"""Peak memory per rank of building a ~200M-parameter model, one training step and one checkpoint: the model built on
+the meta device (stack=parallel, FSDP2 on 4 ranks) or partitioned as it is built (stack=deepspeed, ZeRO-3 on 2 ranks,
+`deepspeed.zero.Init`), both through `with self.init_module():`, against the same model built whole on every rank.
+
+The model is 12 x Linear(4096, 4096) (201.4M parameters, 806 MB in fp32, `M` below), trained with AdamW in fp32 on
+random data (batch 4 per rank); ZeRO-3's buckets are sized as Hugging Face's "auto" sizes them (`DEEPSPEED_BUCKETS`:
+DeepSpeed's defaults, 5e8 elements per buffer, would outweigh the model's shards). Every case runs in fresh
+processes, one per rank, launched as torchrun would. Each rank reads its resident memory after its imports (the
+baseline) and its peak resident memory (`VmHWM`, /proc/self/status) after each phase: `construct` (the model
+built in the program's `__init__`), `build` (the runner built: sharding or partitioning, materialisation, the
+state-dict check, DeepSpeed's engine), `step` (one optimizer step), `checkpoint` (one checkpoint committed: DCP or
+DeepSpeed's engine files) and `export` (model.pth, which gathers the whole model on rank 0). The table gives the
+largest rise over the ranks as a multiple of M; on a GPU also the peak of `torch.cuda.max_memory_allocated`.
+
+The sharded training state of a rank is 4 M / world_size (fp32 parameters, gradients and AdamW's two moments: each
+rank's share). Target (issue 38): building on meta (partitioned) adds at most M / world_size + 0.1 M per rank over that
+state, through the checkpoint: peak(checkpoint) <= (5 / world_size + 0.1) M.
+
+glibc keeps freed blocks mapped (a freed full-size tensor stays resident and is reused), so the figures depend on the
+allocator: each case runs with glibc's defaults and with `MALLOC_MMAP_THRESHOLD_=131072` (every block of 128 KiB or
+more is its own mapping, returned when freed); the setting is printed beside each figure.
+
+    python benchmarks/model_memory.py [--width 4096] [--depth 12] [--cases fsdp2-meta fsdp2-eager ...]
+                                      [--allocators default mmap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _common import format_table, format_targets, load_note, target, write_results
+
+REPO = Path(__file__).resolve().parent.parent
+NAME = "model_memory"
+# case: (stack, ranks, how the model is built)
+CASES = {
+    "fsdp2-meta": ("parallel", 4, "init_module"),
+    "fsdp2-eager": ("parallel", 4, "eager"),
+    "zero3-partitioned": ("deepspeed", 2, "init_module"),
+    "zero3-eager": ("deepspeed", 2, "eager"),
+}
+ALLOCATORS = {"default": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+PHASES = ("construct", "build", "step", "checkpoint", "export")
+
+
+def DEEPSPEED_BUCKETS(width: int) -> dict[str, Any]:  # noqa: N802  (a table, as a function of the width)
+    """ZeRO-3's communication buffers sized to the model, as Hugging Face's "auto" sizes them (hidden size squared):
+    DeepSpeed's defaults (5e8 elements: 2 GB in fp32 per buffer) would be larger than the model's shards here."""
+    return {
+        "zero_optimization": {
+            "reduce_bucket_size": width * width,
+            "stage3_prefetch_bucket_size": int(0.9 * width * width),
+            "stage3_param_persistence_threshold": 10 * width,
+        }
+    }
+
+
+BATCH = 4
+
+
+def memory(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (peak resident) of this process, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(field)
+
+
+def worker(case: str, width: int, depth: int, root: str, out: str) -> None:
+    """One rank of one case: build, train one step, commit one checkpoint, export; the peaks after each phase."""
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(REPO))
+    from perdure import Runner, RunnerConfig
+
+    stack, _, build = CASES[case]
+    if stack == "deepspeed":
+        import deepspeed  # noqa: F401  (its import is part of the baseline, not of the model)
+    cuda = torch.cuda.is_available()
+    peaks: dict[str, Any] = {"start": memory("VmRSS")}
+
+    def note(phase: str) -> None:
+        peaks[phase] = memory("VmHWM")
+        if cuda:
+            peaks[f"{phase}_gpu"] = torch.cuda.max_memory_allocated()
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x[:, :2]
+
+    class Bench(Runner):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            with self.init_module() if build == "init_module" else contextlib.nullcontext():
+                self.model = Wide()
+            note("construct")
+            self.criterion = nn.CrossEntropyLoss()
+            generator = torch.Generator().manual_seed(0)
+            inputs = torch.randn(BATCH * 8, width, generator=generator)
+            targets = torch.randint(0, 2, (BATCH * 8,), generator=generator)
+            self.datasets["train"] = torch.utils.data.TensorDataset(inputs, targets)
+
+        def optimizer_step(self) -> bool:
+            applied = super().optimizer_step()
+            note("step")
+            return applied
+
+        def save_checkpoint(self, reason: str) -> Path | None:
+            path = super().save_checkpoint(reason)
+            if path is not None:
+                note("checkpoint")
+            return path
+
+        def write_final_exports(self) -> None:
+            super().write_final_exports()
+            note("export")
+
+    config = RunnerConfig()
+    config.stack, config.steps, config.seed = stack, 1, 0
+    config.dataloader.batch_size = BATCH
+    config.ckpt.interval = 1
+    config.workspace.root = root
+    config.workspace.code_id = "bench"
+    config.log.interval = 1
+    if stack == "deepspeed":
+        config.deepspeed.zero_stage = 3
+        config.deepspeed.config = DEEPSPEED_BUCKETS(width)
+    runner = Bench(config)
+    note("build")
+    runner.train()
+    runner.close()
+    Path(out).write_text(json.dumps(peaks))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_case(case: str, allocator: str, width: int, depth: int) -> list[dict[str, Any]]:
+    """Launch the ranks of one case in fresh processes; each rank's peaks."""
+    _, ranks, _ = CASES[case]
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="model-memory-") as scratch:
+        processes = []
+        for rank in range(ranks):
+            env = {
+                **os.environ,
+                **ALLOCATORS[allocator],
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(ranks),
+                "LOCAL_WORLD_SIZE": str(ranks),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+            }
+            command = [sys.executable, __file__, "--worker", case, "--width", str(width), "--depth", str(depth),
+                       "--root", f"{scratch}/runs", "--out", f"{scratch}/rank{rank}.json"]  # fmt: skip
+            processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [process.communicate()[0].decode(errors="replace") for process in processes]
+        for rank, process in enumerate(processes):
+            if process.returncode != 0:
+                raise RuntimeError(f"{case} rank {rank} exited {process.returncode}:\n{outputs[rank][-4000:]}")
+        return [json.loads(Path(f"{scratch}/rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--allocators", nargs="+", default=list(ALLOCATORS), choices=list(ALLOCATORS))
+    parser.add_argument("--worker", choices=list(CASES))
+    parser.add_argument("--root")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.width, args.depth, args.root, args.out)
+        return
+    parameters = args.depth * (args.width * args.width + args.width)
+    model_bytes = 4 * parameters
+    print(f"model: {args.depth} x Linear({args.width}, {args.width}) = {parameters / 1e6:.1f}M parameters, "
+          f"M = {model_bytes / 1e6:.0f} MB in fp32; figures: each phase's peak rise over the baseline, max over "
+          "ranks, in units of M", flush=True)  # fmt: skip
+    results: dict[str, Any] = {}
+    rows, targets = [], []
+    for allocator in args.allocators:
+        for case in args.cases:
+            stack, ranks, build = CASES[case]
+            per_rank = run_case(case, allocator, args.width, args.depth)
+            rises = {
+                phase: max(peaks[phase] - peaks["start"] for peaks in per_rank) / model_bytes
+                for phase in PHASES
+                if all(phase in peaks for peaks in per_rank)
+            }
+            gpu = {
+                phase: max(peaks[f"{phase}_gpu"] for peaks in per_rank) / model_bytes
+                for phase in PHASES
+                if all(f"{phase}_gpu" in peaks for peaks in per_rank)
+            }
+            state = 4 / ranks
+            bound = 5 / ranks + 0.1
+            results[f"{case}/{allocator}"] = {"ranks": per_rank, "rise_over_M": rises, "gpu_over_M": gpu}
+            setting = "glibc default" if allocator == "default" else "MALLOC_MMAP_THRESHOLD_=131072"
+            rows.append([case, ranks, setting, *(rises.get(phase, float("nan")) for phase in PHASES), state, bound])
+            if build == "init_module":
+                targets.append(target(f"{case} ({setting}) checkpoint peak / M", rises["checkpoint"], "<=", bound))
+            print(format_table(["case", "ranks", "allocator", *PHASES, "state", "target"], rows[-1:]), flush=True)
+    print()
+    print(format_table(["case", "ranks", "allocator", *PHASES, "state", "target"], rows))
+    print(format_targets(targets))
+    note = load_note()
+    if note:
+        print(note)
+    config = {"width": args.width, "depth": args.depth, "parameters": parameters, "model_bytes": model_bytes,
+              "batch": BATCH, "cases": args.cases, "allocators": args.allocators}  # fmt: skip
+    write_results(NAME, config, results, targets)
+
+
+if __name__ == "__main__":
+    main()
