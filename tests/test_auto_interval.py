@@ -51,7 +51,9 @@ def test_bad_values_are_refused_naming_the_key(tmp_path, settings, key):
 
 
 def test_auto_saves_where_its_logged_schedule_says(tmp_path):
-    config = make_config(tmp_path, steps=320, **{"ckpt.interval": "auto", "ckpt.mtbf": 1.0, "ckpt.keep_latest_k": 0})
+    # no evaluation but the final one: a new best score would be saved too (evaluations are every 500 steps)
+    settings = {"ckpt.interval": "auto", "ckpt.mtbf": 1.0, "ckpt.keep_latest_k": 0, "eval.interval": 100_000}
+    config = make_config(tmp_path, steps=320, **settings)
     make_config(tmp_path, steps=10, **{"ckpt.interval": "auto"}).check()  # accepted in step mode
     runner = ResumableRunner(config)
     runner.train()
@@ -64,6 +66,15 @@ def test_auto_saves_where_its_logged_schedule_says(tmp_path):
     assert saved[2] == min(following, 320)
     # the decision at step 200 is stored in that checkpoint's state with its input: the stall of the save at 100
     assert runner.state.save_stalls == 1 and runner.state.save_stall_s > 0
+
+    # resumed (the budget extended), the run saves next where the checkpoint it resumed from planned, not earlier
+    planned = runner.state.auto_save_step
+    assert planned > 320
+    resumed = ResumableRunner(make_config(tmp_path, steps=planned + 1, **settings))
+    assert resumed.state.global_step == 320 and resumed.state.auto_save_step == planned
+    resumed.train()
+    after = sorted(int(path.name[len("ckpt-s") :]) for path in resumed.run_dir.checkpoints.glob("ckpt-s*"))
+    assert [step for step in after if step > 320] == [planned, planned + 1]
 
 
 def test_auto_on_the_command_line_over_a_programs_number(tmp_path):

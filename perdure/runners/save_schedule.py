@@ -45,7 +45,7 @@ class SaveSchedule:
         self.clock = clock
         self.run_mtbf = run_mtbf  # rank 0's measure of the run's MTBF (the other ranks' is never used)
         self._stall_seen, self._saves_seen = 0.0, 0
-        self._interval: int | None = None
+        self._interval: int | None = None  # the last interval chosen (and logged)
 
     @classmethod
     def for_runner(cls, runner: Any, default: int) -> SaveSchedule:
@@ -83,7 +83,7 @@ class SaveSchedule:
             choice = choose_interval(stall_s=state.save_stall_s, mtbf_s=mtbf, step_time_s=step_time)
         steps = broadcast_object(choice.steps if choice is not None else FIRST_AUTO_STEPS)
         state.auto_save_step = state.global_step + steps
-        if steps != self._interval and choice is not None:
+        if choice is not None and steps != self._interval:  # the first choice, or a new one
             source = "from ckpt.mtbf" if self.mtbf_s is not None else "measured from the run's attempts"
             logger.info("checkpoint interval (ckpt.interval auto): %s; MTBF %s", choice.describe(), source)
-        self._interval = steps
+            self._interval = steps
