@@ -78,6 +78,9 @@ def test_a_failed_setup_is_a_failed_run_with_its_error(tmp_path, capsys):
     sidecar = read_sidecar(sidecar_path)
     assert sidecar["status"] == "failed"
     assert "cannot build the model" in sidecar["attempts"][-1]["exit_reason"]
+    # its wall time is goodput's too: start-up (the model was never built) and the rest, nothing trained or lost
+    seconds = sidecar["attempts"][-1]["goodput"]["seconds"]
+    assert seconds["startup"] > 0 and seconds["kept_training"] == seconds["lost_training"] == 0
     (log,) = (sidecar_path.parent / "logs").iterdir()
     assert "setup of run" in log.read_text() and "cannot build the model" in log.read_text()
     assert (sidecar_path.parent / "run.lock").read_text() == ""  # released

@@ -51,10 +51,17 @@ class GoodputClock:
         self._step_mark: float | None = None  # when the step being trained began (None: the loop is not running)
         self._blocked = 0.0  # evaluation and save seconds since that mark: not the step's
         self._first_step = True
+        self._built = False
 
     def model_built(self) -> None:
         """The user's `__init__` returned (the model exists): start-up ends here."""
         self.startup = time.perf_counter() - self._origin
+        self._built = True
+
+    def resumed_at(self, step: int) -> None:
+        """The attempt starts from `step` (the checkpoint it restored, or 0), before its loop does (or a failed
+        setup that never reaches it)."""
+        self.step = self.committed_step = step
 
     @contextmanager
     def restoring(self) -> Iterator[None]:
@@ -119,7 +126,7 @@ class GoodputClock:
         return {
             "process_started": round(self.process_started, 6),
             "at": round(self.process_started + time.perf_counter() - self._origin, 6),
-            "startup": round(self.startup, 6),
+            "startup": round(self.startup if self._built else self.elapsed(), 6),  # not built yet: all start-up
             "restore": round(self.restore, 6),
             "compile": round(self.compile, 6),
             "evaluation": round(self.evaluation, 6),

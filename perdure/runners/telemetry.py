@@ -66,6 +66,7 @@ class RunTelemetry:
         self.loggers.open(self.run_dir.path, resumed_step=self.state.global_step, state=self.state, config=self.config)
         self.heartbeat = Heartbeat(self.run_dir.path)
         self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+        self.goodput.resumed_at(self.state.global_step)
         self._record_goodput()
         self.sidecar.write()
 
@@ -79,6 +80,8 @@ class RunTelemetry:
             return
         step = (source.global_step or 0) if source is not None else self.state.global_step
         self._record_attempt(attempt, str(source.path) if source is not None else None, details or {}, step)
+        self.goodput.resumed_at(step)
+        self._record_goodput()
         self.sidecar.finish_attempt("failed", reason)
         self.sidecar.write()
         self.active = False
