@@ -172,6 +172,7 @@ def test_what_the_zygote_cannot_run_faithfully_gets_a_new_interpreter(program, m
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     launched = [
         zygote.popen(command, env=environment(TORCH_LOGS="+dynamo"), **quiet),  # torch reads it at import
+        zygote.popen(command, env=environment(DS_ACCELERATOR="cuda"), **quiet),  # not what DeepSpeed was imported with
         zygote.popen(command, env=environment(), start_new_session=True, **quiet),  # an argument it does not take
         zygote.popen(["true"], env=environment()),  # not a Python program
     ]

@@ -35,12 +35,15 @@ import tempfile
 import time
 
 # Read when Python, the loader, OpenMP or torch start (the zygote imported torch, torch._dynamo and numpy): a launch
-# that sets one of these otherwise than the zygote got them gets a new interpreter. (Not DS_*, NCCL_*, CUDA_*,
-# TORCHFT_*, TORCHINDUCTOR_*, ...: read when a program uses them, after the fork; in a test's own process perdure sets
-# DS_ACCELERATOR and CUBLAS_WORKSPACE_CONFIG, and torch.compile TORCHINDUCTOR_CACHE_DIR.)
+# that sets one of these otherwise than the zygote got them gets a new interpreter. (Not DS_* other than
+# DS_ACCELERATOR, NCCL_*, CUDA_*, TORCHFT_*, TORCHINDUCTOR_*, ...: read when a program uses them, after the fork; in a
+# test's own process perdure sets DS_ACCELERATOR and CUBLAS_WORKSPACE_CONFIG, torch.compile TORCHINDUCTOR_CACHE_DIR.)
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "MALLOC", "OMP_", "GOMP", "KMP_", "MKL_", "NUMPY")
 IMPORT_TIME_PREFIXES += ("TORCH_", "TORCHDYNAMO", "PYTORCH")
 SET_IN_THE_CHILD = ("PYTHONPATH", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED")  # `become` applies these as Python would
+# DeepSpeed (~2 s to import) picks its accelerator when imported: the zygote imports it with the one perdure sets
+# where CUDA is not visible (the only place the zygote forks); a launch that names another gets a new interpreter.
+IMPORTED_WITH = {"DS_ACCELERATOR": "cpu"}
 FRESH_ENV = "PERDURE_TEST_FRESH_PROCESSES"
 MAX_REQUEST = 1 << 20
 
@@ -57,6 +60,12 @@ def serve(path: str) -> dict | None:
     import torch.distributed.checkpoint  # noqa: F401
 
     import perdure  # noqa: F401
+
+    os.environ.update(IMPORTED_WITH)  # the child's environment replaces the zygote's
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        pass  # an optional dependency: the programs that need it fail alike in a new interpreter
 
     assert not torch.cuda.is_initialized()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -306,6 +315,8 @@ def _zygote() -> tuple[str, dict[str, str]]:
             text=True,
         )
         ready = process.stdout.readline()
+        while ready and ready.strip() != "ready":  # what an import logged first (DeepSpeed's accelerator line)
+            ready = process.stdout.readline()
         if ready.strip() != "ready":
             process.kill()
             raise RuntimeError(f"the test zygote did not start (it printed {ready!r}; its error is above)")
@@ -337,6 +348,8 @@ def _forkable(args, env: dict[str, str] | None, kwargs: dict) -> bool:
 
 def _import_time_differences(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
     keys = {key for key in (*env, *zygote_env) if key.startswith(IMPORT_TIME_PREFIXES)} - set(SET_IN_THE_CHILD)
+    if any(env.get(key, value) != value for key, value in IMPORTED_WITH.items()):
+        return True
     return any(env.get(key) != zygote_env.get(key) for key in keys)
 
 
