@@ -18,7 +18,6 @@ windows: a resumed run computes the same factors from the same batches.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,10 +49,8 @@ class AccumulationMixin:
         losses = []
         for index, batch in enumerate(window):
             with self.no_sync(last_micro_batch=index == len(window) - 1):
-                started = time.perf_counter()
-                with self.autocast():
+                with self.autocast(), self.stragglers.timing():  # this rank's own time (the slow-rank check)
                     output = self.train_step(batch)
-                self.stragglers.forward_took(time.perf_counter() - started)
                 loss = output["loss"] if isinstance(output, Mapping) else output
                 if scale is not None:
                     self.backward(loss * scale.to(loss.dtype))

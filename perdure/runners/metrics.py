@@ -36,7 +36,7 @@ class MetricsMixin:
         else:
             total = self.total_steps_hint() if loader.samples_per_epoch() is not None else None
         device = model_device(self.unwrap_model())
-        self.stragglers.start(self.state.global_step)
+        self.stragglers.start(self.state.global_step, device)
         self.meter.start(
             self.state.global_step,
             total_steps=total,

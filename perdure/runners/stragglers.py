@@ -1,9 +1,11 @@
 """StragglerWatch: which rank is slow, told at the train log lines for one small collective.
 
 Each rank adds up its own compute time per step: the time its `train_step` calls (the forward of each micro-batch)
-take. Backward and the optimizer step are left out on purpose: under DDP they end in the gradient all-reduce, where
-every rank waits for the slowest, so they take the same wall time on every rank and hide the one that is slow.
-(Under FSDP or tensor parallelism the forward holds collectives too, so a slow rank shows less clearly there.)
+take, measured with CUDA events on a GPU (kernels run after the Python call returns; the events are read at the log
+line, where the loop waits for the GPU anyway) and with the CPU's clock elsewhere. Backward and the optimizer step
+are left out on purpose: under DDP they end in the gradient all-reduce, where every rank waits for the slowest, so
+they take the same wall time on every rank and hide the one that is slow. (Under FSDP or tensor parallelism the
+forward holds collectives too, so a slow rank shows less clearly there.)
 
 At every train log line the ranks exchange that time per step in the collective that agrees on a preemption signal
 anyway (the loop runs it after every step, `BaseRunner.stop_requested`): at a log line that all-reduce (MAX) carries,
@@ -20,6 +22,11 @@ from __future__ import annotations
 import logging
 import socket
 import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 
 from perdure.distributed.collectives import all_gather_object, max_each_of_floats, max_over_ranks
 
@@ -39,26 +46,50 @@ class StragglerWatch:
         self.rank, self.world_size = rank, world_size
         self.hosts: list[str] | None = None
         self._compute = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # a GPU's forwards since the last line
+        self._cuda = False
         self._last_step: int | None = None
         self._agreed: int | None = None  # the signal agreed at this step's log line, for the stop check after it
 
-    def start(self, step: int) -> None:
-        """The training loop starts at `step`."""
-        self._compute, self._last_step = 0.0, step
+    def start(self, step: int, device: torch.device | None = None) -> None:
+        """The training loop starts at `step`, the model on `device` (a CUDA device: forwards timed with events)."""
+        self._compute, self._last_step, self._events = 0.0, step, []
+        self._cuda = device is not None and device.type == "cuda" and self.world_size > 1
 
-    def forward_took(self, seconds: float) -> None:
-        """A micro-batch's `train_step` took `seconds` on this rank."""
-        self._compute += seconds
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        """Around one micro-batch's `train_step`: its time on this rank (a no-op with one rank)."""
+        if self.world_size == 1:
+            yield
+        elif self._cuda:
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()
+            yield
+            ended.record()
+            self._events.append((began, ended))
+        else:
+            began = time.perf_counter()
+            yield
+            self._compute += time.perf_counter() - began
+
+    def _own_seconds(self) -> float:
+        """This rank's forward seconds since the last log line (waiting for the GPU's last one to finish)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._compute += sum(began.elapsed_time(ended) for began, ended in self._events) / 1000
+            self._events = []
+        seconds, self._compute = self._compute, 0.0
+        return seconds
 
     def exchange(self, signal: int, step: int) -> dict[str, float]:
         """At a train log line of `step`, every rank: gather every rank's compute time per step since the last line
         together with the preemption signal it received (`signal`, 0: none); returns the log line's columns
         (`rank_step_time_min`, `_median`, `_max`; none with one rank or before a first interval)."""
-        steps = step - self._last_step if self._last_step is not None else 0
-        own = self._compute / steps if steps > 0 else 0.0
-        self._compute, self._last_step = 0.0, step
         if self.world_size == 1:
             return {}
+        steps = step - self._last_step if self._last_step is not None else 0
+        own = self._own_seconds() / steps if steps > 0 else 0.0
+        self._last_step = step
         if self.hosts is None:
             self.hosts = [str(host) for host in all_gather_object(socket.gethostname())]
         slots = [NO_TIME] * (self.world_size + 1)
