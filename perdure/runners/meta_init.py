@@ -58,7 +58,18 @@ def is_meta_model(model: nn.Module) -> bool:
 
 def check_initialisable(model: nn.Module) -> None:
     """Refuse, before anything is allocated, a meta model that nothing initialises: without `init_weights()`, every
-    module that owns a tensor built on meta must have `reset_parameters()`. ConfigError naming the first modules."""
+    module that owns a tensor built on meta must have `reset_parameters()`. ConfigError naming the first modules.
+    A model with parameters both on meta and on a device is refused too: allocating it would overwrite the ones that
+    have values."""
+    real = [unwrapped_name(name) for name, parameter in model.named_parameters() if not parameter.is_meta]
+    if real:
+        raise ConfigError(
+            "model",
+            f"{type(model).__name__} built partly on the meta device",
+            f"{', '.join(real[:3])}{', ...' if len(real) > 3 else ''} ({len(real)} parameters) are on a device, the "
+            "others on meta; the runner allocates and initialises the whole model, which would overwrite them. Build "
+            "every parameter on meta (load given values with --pretrained), or none",
+        )
     if callable(_method(model, "init_weights")):
         return
     bare = []

@@ -96,3 +96,17 @@ def test_a_meta_model_that_nothing_initialises_is_refused(tmp_path):
     assert result.returncode != 0
     assert "config key 'model' = 'BareLlama built on the meta device'" in result.stdout, result.stdout[-3000:]
     assert "the model (BareLlama: rope_cos, rope_sin)" in result.stdout and "init_weights()" in result.stdout
+
+
+def test_a_model_partly_on_meta_is_refused_naming_the_parameters_on_a_device():
+    """Allocating it would overwrite the parameters that have values."""
+    from torch import nn
+
+    from perdure import ConfigError
+    from perdure.runners.meta_init import check_initialisable
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1] = nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"1\.weight, 1\.bias \(2 parameters\) are on a device"):
+        check_initialisable(model)
