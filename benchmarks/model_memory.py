@@ -10,7 +10,8 @@ baseline) and its peak resident memory (`VmHWM`, /proc/self/status) after each p
 built in the program's `__init__`), `build` (the runner built: sharding or partitioning, materialisation, the
 state-dict check, DeepSpeed's engine), `step` (one optimizer step), `checkpoint` (one checkpoint committed: DCP or
 DeepSpeed's engine files) and `export` (model.pth, which gathers the whole model on rank 0). The table gives the
-largest rise over the ranks as a multiple of M; on a GPU also the peak of `torch.cuda.max_memory_allocated`.
+largest rise over the ranks as a multiple of M; on a GPU the JSON also holds each phase's
+`torch.cuda.max_memory_allocated` (`gpu_over_M`; not measured here: this machine has no GPU).
 
 The sharded training state of a rank is 4 M / world_size (fp32 parameters, gradients and AdamW's two moments: each
 rank's share). Target (issue 38): building on meta (partitioned) adds at most M / world_size + 0.1 M per rank over that
