@@ -10,6 +10,7 @@ import pytest
 
 from perdure import ConfigError
 from perdure.checkpoints.auto_interval import FIRST_AUTO_STEPS, choose_interval, young_daly_seconds
+from perdure.workspace.sidecar import read_sidecar
 from tests.scripts.resumable import ResumableRunner, make_config
 
 
@@ -64,17 +65,26 @@ def test_auto_saves_where_its_logged_schedule_says(tmp_path):
     assert chosen, log.read_text()
     following = 2 * FIRST_AUTO_STEPS + int(chosen[0])
     assert saved[2] == min(following, 320)
-    # the decision at step 200 is stored in that checkpoint's state with its input: the stall of the save at 100
-    assert runner.state.save_stalls == 1 and runner.state.save_stall_s > 0
+    # each decision is stored in its checkpoint's state with its input: the mean stall of the saves before it (the
+    # save at 100 for the decision at 200; one more for each later decision, the one at 320 too when it was due)
+    before = len([step for step in saved if step < 320])
+    assert runner.state.save_stalls in (before - 1, before) and runner.state.save_stall_s > 0
 
     # resumed (the budget extended), the run saves next where the checkpoint it resumed from planned, not earlier
     planned = runner.state.auto_save_step
     assert planned > 320
+    # without ckpt.mtbf this time: the MTBF is the run's own, its attempts' wall time over one interruption at least
+    settings.pop("ckpt.mtbf")
     resumed = ResumableRunner(make_config(tmp_path, steps=planned + 1, **settings))
     assert resumed.state.global_step == 320 and resumed.state.auto_save_step == planned
     resumed.train()
     after = sorted(int(path.name[len("ckpt-s") :]) for path in resumed.run_dir.checkpoints.glob("ckpt-s*"))
     assert [step for step in after if step > 320] == [planned, planned + 1]
+    first = read_sidecar(resumed.run_dir.path / "sidecar.json")["attempts"][0]
+    assert resumed.telemetry.run_mtbf() > sum(first["goodput"]["seconds"].values()) > 0
+    if planned - 320 >= 2:  # a step time measured before the plan at `planned`
+        (_, log) = sorted((resumed.run_dir.path / "logs").glob("*.log"))
+        assert "MTBF measured from the run's attempts" in log.read_text()
 
 
 def test_auto_on_the_command_line_over_a_programs_number(tmp_path):
