@@ -176,7 +176,7 @@ def test_lock_in_a_fork_of_this_process(tmp_path):
         assert os.waitstatus_to_exitcode(status) == 0
         assert lock.held
         probe = "import sys; from perdure.resilience.run_lock import RunLock; RunLock(sys.argv[1]).acquire()"
-        other = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True)
+        other = zygote.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True)
         assert other.returncode != 0 and f"pid {os.getpid()} " in other.stderr
 
 

@@ -6,7 +6,6 @@ its tokens, and TorchFT replica groups (which average with equal weights), are r
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 from perdure.loggers.metrics_csv import read_metrics_csv
 from perdure.runners.rng import seed_everything
+from tests import zygote
 from tests.runs import (
     assert_all_ok,
     assert_ok,
@@ -110,7 +110,7 @@ def test_tokens_without_loss_tokens_is_refused_before_anything_is_written(tmp_pa
         "NoCount(padded_lm.Config().parse()).train()\n"
     )
     root = tmp_path / "runs"
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, str(program), "--workspace.root", str(root)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode != 0
