@@ -5,11 +5,13 @@ Every backend saves the model through its own `state_dict()` and restores it thr
 hold, produce keys its load hooks do not take back, or take them back into other values (a fused tensor reassembled in
 another order) would fail at its first checkpoint or, worse, at its first resume. The runner takes the state dict,
 loads it back and takes it again once, when the model is in place; a difference stops the run at start-up with the
-module and the reason.
+module and the reason. It holds no copy of the state: each tensor is kept as its dtype, shape and a digest of its bytes
+(taken one tensor at a time, on the host), and the state dict itself is what is loaded back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 from typing import Any
 
@@ -35,7 +37,8 @@ def check_state_dict_round_trip(model: nn.Module) -> None:
 
 def _check_part(model: nn.Module) -> None:
     try:
-        before = {key: _copy(key, value) for key, value in module_state_dict(model).items()}
+        state = module_state_dict(model)
+        before = {key: _fingerprint(key, value) for key, value in state.items()}
     except CheckpointStateError:
         raise
     except Exception as error:
@@ -44,14 +47,15 @@ def _check_part(model: nn.Module) -> None:
             f"the model's state cannot be saved: state_dict() of {where} raised {type(error).__name__}: {error}; {FIX}"
         ) from error
     try:
-        load_module_state_dict(model, before)
+        load_module_state_dict(model, state)  # its own tensors: a load that writes them back in place changes nothing
     except Exception as error:
         raise CheckpointStateError(
             f"the model's state dict does not load back into it: load_state_dict() of {type(model).__name__} raised "
             f"{type(error).__name__}: {error}; {FIX}"
         ) from error
+    del state
     after = module_state_dict(model)
-    changed = [key for key, value in before.items() if key not in after or not _same(value, after[key])]
+    changed = [key for key, value in before.items() if key not in after or value != _fingerprint(key, after[key])]
     changed += [key for key in after if key not in before]
     if all_ranks(not changed):
         return
@@ -65,11 +69,15 @@ def _check_part(model: nn.Module) -> None:
     )
 
 
-def _copy(key: str, value: Any) -> Any:
-    """A tensor's copy (the load may write into the very storage the state dict shares); other values must be what
-    torch.save writes."""
+def _fingerprint(key: str, value: Any) -> Any:
+    """What is compared of an entry: a tensor's dtype, shape and a digest of its bytes (a DTensor's local shard; one
+    tensor at a time on the host, so no copy of the whole state is held); another value's type, after checking that
+    torch.save writes it."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        tensor = value.to_local() if isinstance(value, DTensor) else value
+        local = tensor.detach().cpu().contiguous()
+        data = local.reshape(-1).view(torch.uint8).numpy()
+        return (tensor.dtype, tuple(tensor.shape), hashlib.blake2b(data, digest_size=32).digest())
     try:
         torch.save(value, io.BytesIO())
     except Exception as error:
@@ -77,14 +85,7 @@ def _copy(key: str, value: Any) -> Any:
             f"the model's state dict holds {key!r} = a {type(value).__name__} that torch.save cannot write "
             f"({type(error).__name__}: {error}); {FIX}"
         ) from error
-    return value
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (a, b))
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return type(a) is type(b)
+    return type(value)
 
 
 def _failing_module(model: nn.Module) -> str:
