@@ -36,7 +36,7 @@ from perdure.checkpoints.source import RestoreSource
 from perdure.distributed.collectives import all_ranks
 from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend
-from perdure.runners.compile import plain_state_dict
+from perdure.runners.compile import plain_state_dict, uncompiled
 from perdure.runners.deepspeed_config import engine_config
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
@@ -170,17 +170,46 @@ class DeepSpeedRunner(TorchRunner):
 
     def export_model(self) -> Path | None:
         """`model.pth` (and the other `ckpt.export_format`s): the fp32 weights of the checkpoint just committed,
-        gathered from every rank's partition (DeepSpeed's zero-to-fp32 routine, its files read through the
-        allow-list) under the names the module's `state_dict()` gives them (its hooks applied), written by the main
-        process; EMA as on the torch stack."""
+        gathered from every rank's partition under the names the module's `state_dict()` gives them (its hooks
+        applied), written by the main process; EMA as on the torch stack. Under ZeRO-3 a collective: the engine's fp32
+        master copy is gathered one parameter at a time (`_gathered_fp32_weights`), not read from every rank's optimizer
+        files; under ZeRO 1-2 DeepSpeed's zero-to-fp32 routine reads the checkpoint just committed (its files through
+        the allow-list)."""
+        gathered = self._gathered_fp32_weights() if self.engine.zero_optimization_stage() == 3 else None
         if not self.is_main_process:
             return None
-        checkpoint = self.run_dir.checkpoints / self._position_name()
         ema = self.ema.weights() if self.ema is not None else None
-        weights = read_deepspeed_weights(checkpoint)
+        weights = (
+            gathered
+            if gathered is not None
+            else read_deepspeed_weights(self.run_dir.checkpoints / self._position_name())
+        )
         if self.engine.zero_optimization_stage() > 0:  # keyed by parameter name: into the module's state-dict layout
             weights = as_module_state_dict(self.engine.module, weights)
         return self.write_exports(weights, ema)
+
+    def _gathered_fp32_weights(self) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3, on every rank (collective): the fp32 master weights of the engine's module keyed by parameter name,
+        each gathered alone from the ranks' partitions (`deepspeed.utils.safe_get_full_fp32_param`), and its buffers
+        (whole on every rank); kept on the main process only (None elsewhere). A frozen parameter, which has no master
+        copy, is gathered from the module's own partitions (as `runners/hf_export.py` does)."""
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = uncompiled(self.engine.module)
+        weights: dict[str, torch.Tensor] = {}
+        for name, parameter in module.named_parameters():
+            full = safe_get_full_fp32_param(parameter) if parameter.requires_grad else None
+            if full is None:  # a frozen parameter has no master copy: its own partitions, gathered
+                with deepspeed.zero.GatheredParameters([parameter]):
+                    full = parameter.detach().clone() if self.is_main_process else None
+            if full is not None and self.is_main_process:
+                weights[name] = full.detach().cpu()
+            del full
+        if not self.is_main_process:
+            return None
+        weights.update((name, buffer.detach()) for name, buffer in module.named_buffers())
+        return weights
 
 
 class _GatheringEMA(ExponentialMovingAverage):
