@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from perdure.checkpoints.commit import read_pointer, verify_checkpoint
+from perdure.checkpoints.deepspeed_engine import read_deepspeed_weights
 from tests.deepspeed.conftest import CONFIGS, TIMEOUT, args_of
 from tests.runs import assert_all_ok, assert_same_weights, final_weights, read_losses, run_dir, run_ranks
 
@@ -46,6 +47,10 @@ def test_the_export_is_the_engine_weights_gathered_from_every_rank(references):
     gathered = torch.load(reference / "gathered.pth", weights_only=True)["weights"]
     assert_same_weights(exported, gathered)
     assert all(tensor.dtype == torch.float32 for tensor in exported.values())
+    # gathered from the live engine one parameter at a time: the weights of the checkpoint it committed last, as
+    # DeepSpeed's zero-to-fp32 routine reads them from every rank's optimizer partition
+    checkpoints = run_dir(reference) / "checkpoints"
+    assert_same_weights(exported, read_deepspeed_weights(checkpoints / read_pointer(checkpoints, "latest")))
 
 
 def test_a_truncated_shard_of_the_newest_checkpoint_falls_back_to_the_previous_one(references, killed, tmp_path):
