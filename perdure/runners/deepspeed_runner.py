@@ -36,7 +36,7 @@ from perdure.checkpoints.source import RestoreSource
 from perdure.distributed.collectives import all_ranks
 from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend
-from perdure.runners.compile import plain_state_dict, uncompiled
+from perdure.runners.compile import strip_compile_prefix, uncompiled
 from perdure.runners.deepspeed_config import engine_config
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
@@ -110,7 +110,7 @@ class DeepSpeedRunner(TorchRunner):
             # ZeRO 1/2 check fp32 gradients for inf / NaN only when told to (bf16 has a config key, fp16 always does)
             self.engine.optimizer.check_grad_overflow = bool(self.config.skip_nonfinite_grad)
         if stage == 3 and self.ema is not None:
-            self.ema = _GatheringEMA(self.ema, self.engine.module)
+            self.ema = _PartitionedEMA(self.ema, self.engine.module)
 
     def wrap_model(self) -> None:
         """Nothing to wrap: the engine was built when the restore began."""
@@ -176,9 +176,9 @@ class DeepSpeedRunner(TorchRunner):
         files; under ZeRO 1-2 DeepSpeed's zero-to-fp32 routine reads the checkpoint just committed (its files through
         the allow-list)."""
         gathered = self._gathered_fp32_weights() if self.engine.zero_optimization_stage() == 3 else None
+        ema = self.ema.weights() if self.ema is not None else None  # under ZeRO-3 gathered: every rank takes part
         if not self.is_main_process:
             return None
-        ema = self.ema.weights() if self.ema is not None else None
         weights = (
             gathered
             if gathered is not None
@@ -212,21 +212,76 @@ class DeepSpeedRunner(TorchRunner):
         return weights
 
 
-class _GatheringEMA(ExponentialMovingAverage):
-    """The EMA under ZeRO-3, where each rank's module holds only its partition: every update gathers the whole
-    parameters first (a collective: the loop updates the EMA on every rank at the same step)."""
+class _PartitionedEMA(ExponentialMovingAverage):
+    """The EMA under ZeRO-3: each rank averages only its own partition of every parameter (DeepSpeed's flat, padded
+    `ds_tensor`), so no rank holds whole shadows while it trains; buffers, whole on every rank, are averaged whole.
+    The average is taken element by element as the whole shadows' was, so the values are the same bit for bit.
+
+    `state_dict()` and `weights()` give whole shadows (the checkpoint's layout is unchanged: any number of ranks and
+    `read_deepspeed_weights` read it), gathered one parameter at a time: collectives, every rank calls them together
+    (the checkpoint's save, the export). A loaded whole shadow is cut to this rank's partition."""
 
     def __init__(self, ema: ExponentialMovingAverage, model: torch.nn.Module) -> None:
-        """`ema`'s shadows, taken again from `model`'s whole parameters: a model built partitioned
-        (`init_module`) gave the EMA its empty placeholders."""
-        import deepspeed
+        """`ema`'s decay; the shadows taken from `model`'s partitions (a model built partitioned (`init_module`)
+        gave `ema` its empty placeholders)."""
+        self.decay = ema.decay
+        sources = _sources(model)
+        # the partitioned parameters by shadow name: what `weights` gathers and `load_state_dict` cuts
+        self._partitioned = {name: tensor for name, tensor in sources.items() if _is_partitioned(tensor)}
+        self.shadow = {
+            name: (tensor.ds_tensor if name in self._partitioned else tensor).detach().clone()
+            for name, tensor in sources.items()
+        }
 
-        self.__dict__.update(ema.__dict__)
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            self.shadow = {name: tensor.detach().clone() for name, tensor in plain_state_dict(model).items()}
-
+    @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
-        import deepspeed
+        averaged, targets = [], []
+        for name, tensor in _sources(model).items():
+            shadow, value = self.shadow[name], (tensor.ds_tensor if name in self._partitioned else tensor).detach()
+            if shadow.is_floating_point():
+                averaged.append(shadow)
+                targets.append(value.to(shadow.dtype))
+            else:
+                shadow.copy_(value)
+        if averaged:
+            torch._foreach_lerp_(averaged, targets, 1.0 - self.decay)
 
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            super().update(model)
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "shadow": self.weights()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, tensor in state["shadow"].items():
+            parameter = self._partitioned.get(name)
+            if parameter is None:
+                self.shadow[name].copy_(tensor)
+                continue
+            partition, flat = self.shadow[name], tensor.reshape(-1)
+            start = dist.get_rank(parameter.ds_process_group) * partition.numel()
+            piece = flat[start : start + partition.numel()]
+            partition[: piece.numel()].copy_(piece)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Whole shadows, each gathered alone from every rank's partition (collective)."""
+        whole = {}
+        for name, shadow in self.shadow.items():
+            parameter = self._partitioned.get(name)
+            if parameter is None:
+                whole[name] = shadow
+                continue
+            group = parameter.ds_process_group
+            pieces = [torch.empty_like(shadow) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(pieces, shadow, group=group)
+            whole[name] = torch.cat(pieces)[: parameter.ds_numel].view(parameter.ds_shape)
+            del pieces
+        return whole
+
+
+def _sources(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state-dict entries by plain name, parameters as themselves (their partitions are read)."""
+    return strip_compile_prefix(uncompiled(model).state_dict(keep_vars=True))
+
+
+def _is_partitioned(tensor: torch.Tensor) -> bool:
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    return is_zero_param(tensor)

@@ -174,7 +174,7 @@ def _write_weights(runner: BaseRunner, staging: Path, ema: bool) -> None:
         return
     if deepspeed and not ema:
         weights = dict(_deepspeed_tensors(runner))  # to_hf maps the whole state dict: gathered on the main process
-    elif runner.is_main_process:
+    elif runner.is_main_process or deepspeed:  # a ZeRO-3 EMA gathers its partitions: every rank takes part
         from perdure.runners.compile import plain_state_dict
 
         weights = runner.ema.weights() if ema else plain_state_dict(runner.unwrap_model())
