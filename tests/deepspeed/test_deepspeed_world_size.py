@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_a_zero3_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
-    root, args = tmp_path / "runs", (*ARGS, "--deepspeed.zero_stage", "3")
+    root, args = tmp_path / "runs", (*ARGS, "--deepspeed.zero_stage", "3", "--ema.enabled", "true")
     first = run_ranks(2, "resumable.py", root, *args, timeout=TIMEOUT, KILL_AT_STEP="7", SAMPLE_LOG="1",
                       LOSS_LOG=tmp_path / "first-{rank}.jsonl")  # fmt: skip
     assert all(result.returncode != 0 for result in first)
@@ -35,6 +35,8 @@ def test_a_zero3_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
     restored = torch.load(tmp_path / "r.pth", weights_only=True)
     assert_same_weights(restored["weights"], read_deepspeed_weights(checkpoint))
     assert restored["steps"] == [5.0]
+    # and the EMA, averaged by each of the 2 ranks over its own partition, whole on the one rank
+    assert_same_weights(restored["ema"], read_deepspeed_weights(checkpoint, ema=True))
 
     derived = verify_checkpoint(derived_path(checkpoint))  # kept beside the original, which is unchanged
     assert derived["derived_from"]["name"] == checkpoint.name and derived["backend"] == "deepspeed-universal"

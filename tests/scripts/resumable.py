@@ -399,13 +399,15 @@ def install_fault(spec: str) -> None:
 
 
 def save_gathered(runner, path) -> None:
-    """stack=deepspeed: the engine's fp32 weights gathered from every rank (collective), and the optimizer's steps."""
+    """stack=deepspeed: the engine's fp32 weights gathered from every rank (collective), the optimizer's steps, and the
+    EMA's whole shadows with ema.enabled (gathered too under ZeRO-3)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     weights = {name: safe_get_full_fp32_param(p).clone() for name, p in runner.engine.module.named_parameters()}
     steps = sorted({float(state["step"]) for state in runner.engine.optimizer.optimizer.state.values()})
+    ema = runner.ema.weights() if runner.ema is not None else None
     if runner.rank == 0:
-        torch.save({"weights": weights, "steps": steps}, path)
+        torch.save({"weights": weights, "steps": steps, "ema": ema}, path)
 
 
 def install_writer_fault(spec: str, done: Path) -> None:
