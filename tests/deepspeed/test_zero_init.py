@@ -1,7 +1,7 @@
 """stack=deepspeed with ZeRO-3: a model built under `self.init_module()` (`deepspeed.zero.Init`) is partitioned as it is
 built, so no rank ever holds it whole; it starts and trains exactly as the same model built whole (the same losses),
-and a run killed on every rank and rerun ends bit-equal to the run that never stopped, EMA included (its shadows are
-taken from the gathered parameters)."""
+and a run killed on every rank and rerun ends bit-equal to the run that never stopped, EMA included (each rank
+averages its own partitions; the export gathers them)."""
 
 from __future__ import annotations
 
