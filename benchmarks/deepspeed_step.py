@@ -219,6 +219,37 @@ def measure_saves(args: argparse.Namespace, rank: int, world: int, scratch: Path
     return {"seconds": times, "bytes": size, "parameters": sum(p.numel() for p in model.parameters())}
 
 
+def profile_steps(args: argparse.Namespace, rank: int, world: int, scratch: Path) -> dict[str, str]:
+    """cProfile of rank 0's hand loop and runner loop (one run each, per ZeRO stage): where the runner's extra time
+    goes. The stats are written next to the results, with the top of each by own time as text."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch.distributed as dist
+
+    dataset = make_dataset()
+    written = {}
+    for stage in STAGES:
+        for variant in ("hand", "runner"):
+            dist.barrier()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            if variant == "hand":
+                hand_loop(stage, args.steps, rank, world, dataset)
+            else:
+                runner_loop(stage, args.steps, scratch / f"profile-{stage}", dataset, lean=False)
+            profiler.disable()
+            if rank == 0:
+                path = RESULTS_DIR / f"{NAME}-zero{stage}-{variant}.prof"
+                profiler.dump_stats(path)
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+                path.with_suffix(".txt").write_text(text.getvalue())
+                written[f"zero{stage} {variant}"] = str(path.with_suffix(".txt"))
+    return written
+
+
 def worker(args: argparse.Namespace) -> None:
     setup_threads()
     import logging
@@ -232,6 +263,13 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     scratch = Path(args.scratch)  # one directory for both ranks: a checkpoint's ranks write into the same one
+    if args.profile:
+        record = {"profiles": profile_steps(args, rank, world, scratch)}
+        if rank == 0:
+            print("RESULT " + json.dumps(record))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     record = {"steps": measure_steps(args, rank, world, scratch)}
     logging.getLogger("perdure").setLevel(logging.WARNING)
     record["saves"] = measure_saves(args, rank, world, scratch)
@@ -253,6 +291,7 @@ def launch(args: argparse.Namespace, world: int = 2) -> dict[str, Any]:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         command = [sys.executable, __file__, "--worker", "--scratch", str(scratch), "--steps", str(args.steps),
                    "--rounds", str(args.rounds), "--repeats", str(args.repeats)]  # fmt: skip
+        command += ["--profile"] if args.profile else []
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [process.communicate(timeout=1800) for process in processes]
     shutil.rmtree(scratch, ignore_errors=True)
@@ -268,11 +307,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="steps per loop per round (the first 10 warm up)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="saves of each kind")
+    parser.add_argument("--profile", action="store_true", help="cProfile rank 0's hand and runner loops instead")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: this process is a rank
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return 0
+    if args.profile:
+        for name, path in launch(args)["profiles"].items():
+            print(f"== {name} ({path})\n" + "\n".join(Path(path).read_text().splitlines()[:40]))
         return 0
     print(f"{NAME}: 2 ranks, {args.rounds} rounds x {args.steps} steps per loop, {args.repeats} saves", flush=True)
     record = launch(args)
