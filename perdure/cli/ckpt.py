@@ -37,6 +37,7 @@ from perdure.checkpoints.commit import (
 from perdure.checkpoints.hf_export import HF_META, read_hf_meta, write_hf_dir
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
+from perdure.checkpoints.weights_read import is_hf_dir, is_hf_source
 from perdure.cli.ckpt_mirror import is_url, location, mirror_export, mirror_ls, mirror_prune, mirror_verify, on_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
@@ -357,10 +358,11 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str, dict[st
         path = path.parent / "checkpoints" / path.name
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    if path.is_file() and path.name not in POINTERS:
+    if (path.is_file() and path.name not in POINTERS) or is_hf_dir(path):
         if ema:
-            raise CheckpointError(f"{path} is a weights file; --ema needs a checkpoint (it holds both weight sets)")
-        return read_weights(path), str(path), {"format": "pt", "source": path.name}
+            raise CheckpointError(f"{path} holds one set of weights; --ema needs a checkpoint (it holds both sets)")
+        # Weights in the Hugging Face layout stay marked as such (`weights_read.is_hf_source`): not perdure's `source`.
+        return read_weights(path), str(path), {"format": "pt", ("hf" if is_hf_source(path) else "source"): path.name}
     info: CheckpointInfo = resolve_path(path)
     backend = info.manifest.get("backend", "file")
     if backend not in ("file", "dcp", "deepspeed"):

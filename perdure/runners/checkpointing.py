@@ -19,6 +19,7 @@ from perdure.checkpoints.hf_export import HF_META
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.snapshot import storage_key
 from perdure.checkpoints.source import RestoreSource
+from perdure.checkpoints.weights_read import in_model_layout
 from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError, PerdureError
 from perdure.loggers.console import get_logger
@@ -233,8 +234,9 @@ class CheckpointingMixin:
             self._note_topology(source.info)
             self._note_dataset_change(source.info)
         elif source.kind == "pretrained":
-            load_matching_weights(self.unwrap_model(), self._pretrained_weights, source.path)
+            weights = in_model_layout(self._pretrained_weights, source.path, self.state_dict_adapter())
             del self._pretrained_weights
+            load_matching_weights(self.unwrap_model(), weights, source.path)
 
     def _note_topology(self, info: CheckpointInfo) -> None:
         """A resume on another world size changes the global batch: say so once, and keep it for the attempt."""
@@ -295,7 +297,8 @@ class CheckpointingMixin:
 
     def load_pretrained(self, path: Path, ema: bool = False) -> None:
         """Load model (or EMA) weights only, from an exported `.pth` file or any checkpoint path."""
-        load_matching_weights(self.unwrap_model(), read_weights(Path(path), ema=ema), Path(path))
+        weights = in_model_layout(read_weights(Path(path), ema=ema), Path(path), self.state_dict_adapter())
+        load_matching_weights(self.unwrap_model(), weights, Path(path))
 
     def state_dict_adapter(self) -> StateDictAdapter | None:
         """How the model's state dict maps to and from the Hugging Face layout, or None (the default) when the

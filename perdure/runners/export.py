@@ -1,21 +1,20 @@
-"""Model-only weights: the `model.pth` export, and reading weights back for `--pretrained`."""
+"""Model-only weights: the `model.pth` / `model.safetensors` exports. Reading weights back (`--pretrained`, ...):
+`perdure.checkpoints.weights_read.read_weights`, importable from here too."""
 
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from perdure.checkpoints.commit import POINTERS, fsync_dir, write_file
-from perdure.checkpoints.file import REPLICATED_FILE
-from perdure.checkpoints.resolve import resolve_path
-from perdure.checkpoints.safe_unpickle import load_torch_file
+from perdure.checkpoints.commit import fsync_dir, write_file
+from perdure.checkpoints.weights_read import read_weights
 from perdure.errors import CheckpointError, ConfigError, PerdureError
 from perdure.runners.compile import strip_compile_prefix
-from perdure.safe_io import UnsafeFileError
+
+__all__ = ["EXPORT_DTYPES", "cast_weights", "export_weights", "read_weights", "save_safetensors"]
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -78,61 +77,3 @@ def save_safetensors(weights: dict[str, Any], path: Path, dtype: str | None, met
         raise
     fsync_dir(path.parent)
     return path
-
-
-def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
-    """Weights from an exported file (`model.pth`) or from a checkpoint / checkpoints / run directory or pointer,
-    with plain names (`torch.compile`'s `_orig_mod.` removed, see `perdure.runners.compile`)."""
-    return strip_compile_prefix(_read_weights(path, ema))
-
-
-def _read_weights(path: Path, ema: bool) -> dict[str, torch.Tensor]:
-    if not path.exists():
-        raise CheckpointError(f"pretrained path {path} does not exist")
-    if path.is_file() and path.name not in POINTERS:
-        weights = _load(path, named=True)
-        if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-            raise CheckpointError(f"{path} holds no state dict of tensors; give a model export such as model.pth")
-        return weights
-    info = resolve_path(path)
-    if info.manifest.get("backend") == "dcp":
-        from perdure.checkpoints.dcp import read_dcp_weights
-
-        return read_dcp_weights(info.path, ema=ema)
-    if info.manifest.get("backend") == "deepspeed":
-        from perdure.checkpoints.deepspeed_engine import read_deepspeed_weights
-
-        return read_deepspeed_weights(info.path, ema=ema)
-    state = _load(info.path / REPLICATED_FILE)
-    if not isinstance(state, dict) or "model" not in state:
-        raise CheckpointError(f"{info.path / REPLICATED_FILE} holds no model state; it is not a perdure checkpoint")
-    if ema:
-        if "ema" not in state:
-            raise CheckpointError(
-                f"checkpoint {info.path} holds no EMA weights (it was trained with ema.enabled=false)"
-            )
-        weights = state["ema"].get("shadow") if isinstance(state["ema"], dict) else None
-    else:
-        weights = state["model"]
-    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        what = "EMA weights" if ema else "model weights"
-        raise CheckpointError(f"{info.path / REPLICATED_FILE} holds no state dict of tensors as its {what}")
-    return weights
-
-
-def _load(path: Path, *, named: bool = False) -> object:
-    """`torch.load(weights_only=True)`; `named`: the user gave this file (a symlink to it is fine)."""
-    try:
-        return load_torch_file(path, follow_symlinks=named)
-    except (CheckpointError, UnsafeFileError):
-        raise
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            f"{path} is not a torch.save file of tensors that perdure can load safely (it reads weights with "
-            "weights_only=True); give a model export (model.pth) or a checkpoint / run directory"
-        ) from error
-    except Exception as error:
-        raise CheckpointError(
-            f"cannot read weights from {path} ({type(error).__name__}: {str(error).splitlines()[0]}); give a model "
-            "export (model.pth) or a checkpoint / run directory"
-        ) from error

@@ -38,6 +38,7 @@ from perdure.checkpoints.module_state import full_module_state_dict, load_full_m
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
 from perdure.checkpoints.source import RestoreSource
+from perdure.checkpoints.weights_read import in_model_layout, read_weights
 from perdure.distributed.collectives import all_gather_object
 from perdure.distributed.grad_norm import clip_grad_norm
 from perdure.distributed.process_group import init_process_group, select_backend
@@ -45,7 +46,6 @@ from perdure.distributed.topology import FSDP_CONTEXT_MESH, Topology, device_mes
 from perdure.errors import ConfigError, PerdureError
 from perdure.runners.checkpointing import load_matching_weights
 from perdure.runners.ema import ExponentialMovingAverage
-from perdure.runners.export import read_weights
 from perdure.runners.loss_parallel import local_loss, loss_context
 from perdure.runners.meta_init import check_initialisable, is_meta_model
 from perdure.runners.parallelize import (
@@ -160,8 +160,9 @@ class ParallelRunner(TorchRunner):
         slots = parameter_slots(self.optimizer, model)  # where each parameter lives, found again after sharding
         meta = is_meta_model(model)  # built on the meta device: each rank allocates its shards once they are cut
         if self.restore_source.kind == "pretrained" and not meta:  # into the whole model, before any split
-            load_matching_weights(model, self._pretrained_weights, self.restore_source.path)
+            weights = in_model_layout(self._pretrained_weights, self.restore_source.path, self.state_dict_adapter())
             del self._pretrained_weights
+            load_matching_weights(model, weights, self.restore_source.path)
         self.mesh = device_mesh(self.topology, self.device.type)
         parts = self.split_pipeline(model, self.mesh) if self.topology.pipeline > 1 else [model]
         for part in parts:
@@ -200,8 +201,9 @@ class ParallelRunner(TorchRunner):
         `--pretrained`, the full weights then replace the initial values, each rank keeping its shards."""
         super().materialise_model(parts)
         if self.restore_source.kind == "pretrained":
-            self._load_full_weights(parts, self._pretrained_weights, self.restore_source.path)
+            weights = in_model_layout(self._pretrained_weights, self.restore_source.path, self.state_dict_adapter())
             del self._pretrained_weights
+            self._load_full_weights(parts, weights, self.restore_source.path)
 
     def init_module(self) -> AbstractContextManager:
         """The meta device: the model is built without storage, sharded, then each rank allocates its shards."""
@@ -429,7 +431,8 @@ class ParallelRunner(TorchRunner):
 
     def load_pretrained(self, path: Path, ema: bool = False) -> None:
         """Load full model (or EMA) weights into the sharded model: every rank reads the file, keeps its shards."""
-        self._load_full_weights(self.model_parts, read_weights(Path(path), ema=ema), path)
+        weights = in_model_layout(read_weights(Path(path), ema=ema), Path(path), self.state_dict_adapter())
+        self._load_full_weights(self.model_parts, weights, path)
 
     def _load_full_weights(self, parts: list[nn.Module], weights: Mapping[str, torch.Tensor], path: Path) -> None:
         for part in parts:
