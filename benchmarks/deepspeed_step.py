@@ -53,6 +53,7 @@ NAME = "deepspeed_step"
 STAGES = (2, 3)
 VARIANTS = ("hand", "runner", "runner-lean")
 FEATURES, WIDTH, LAYERS, CLASSES, BATCH, SAMPLES = 512, 512, 4, 10, 32, 4096
+SCALE_WIDTHS = (256, 512, 1024)  # 0.33M, 1.05M, 3.68M parameters: the same batch, features and depth
 WARMUP_STEPS = 10
 TARGET_STEP_RATIO = 1.05
 TARGET_SAVE_RATIO = 1.5
@@ -251,6 +252,8 @@ def profile_steps(args: argparse.Namespace, rank: int, world: int, scratch: Path
 
 
 def worker(args: argparse.Namespace) -> None:
+    global WIDTH
+    WIDTH = args.width
     setup_threads()
     import logging
 
@@ -272,7 +275,8 @@ def worker(args: argparse.Namespace) -> None:
         return
     record = {"steps": measure_steps(args, rank, world, scratch)}
     logging.getLogger("perdure").setLevel(logging.WARNING)
-    record["saves"] = measure_saves(args, rank, world, scratch)
+    if not args.scale:
+        record["saves"] = measure_saves(args, rank, world, scratch)
     if rank == 0:
         print("RESULT " + json.dumps(record))
     dist.barrier()
@@ -291,7 +295,7 @@ def launch(args: argparse.Namespace, world: int = 2) -> dict[str, Any]:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         command = [sys.executable, __file__, "--worker", "--scratch", str(scratch), "--steps", str(args.steps),
                    "--rounds", str(args.rounds), "--repeats", str(args.repeats)]  # fmt: skip
-        command += ["--profile"] if args.profile else []
+        command += ["--width", str(args.width)] + ["--profile"] * args.profile + ["--scale"] * args.scale
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [process.communicate(timeout=1800) for process in processes]
     shutil.rmtree(scratch, ignore_errors=True)
@@ -308,11 +312,30 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="saves of each kind")
     parser.add_argument("--profile", action="store_true", help="cProfile rank 0's hand and runner loops instead")
+    parser.add_argument("--scale", action="store_true", help="the runner's extra time per step at 3 model widths")
+    parser.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: this process is a rank
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return 0
+    if args.scale:
+        rows = []
+        for width in SCALE_WIDTHS:
+            args.width = width
+            parameters = sum(p.numel() for p in make_model(FEATURES, width, LAYERS).parameters())
+            for stage, data in launch(args)["steps"].items():
+                hand, runner = (median(data["seconds"][v]) for v in ("hand", "runner"))
+                hand_cpu, runner_cpu = (median(data["cpu_seconds"][v]) for v in ("hand", "runner"))
+                ratios = [r / h for r, h in zip(data["seconds"]["runner"], data["seconds"]["hand"])]
+                cpu_ratios = [r / h for r, h in zip(data["cpu_seconds"]["runner"], data["cpu_seconds"]["hand"])]
+                rows.append([stage, f"{parameters / 1e6:.2f}M", hand * 1e3, (runner - hand) * 1e3,
+                             (runner_cpu - hand_cpu) * 1e3, median(ratios), median(cpu_ratios),
+                             "yes" if all(data["same_weights"]) else "NO"])  # fmt: skip
+            print(f"width {width} done", flush=True)
+        print(format_table(["ZeRO", "parameters", "hand ms/step", "runner extra ms/step", "runner extra cpu ms/step",
+                            "ratio", "cpu ratio", "same weights"], sorted(rows, key=lambda row: row[0])))  # fmt: skip
         return 0
     if args.profile:
         for name, path in launch(args)["profiles"].items():

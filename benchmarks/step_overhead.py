@@ -489,6 +489,25 @@ def profile_runner(steps: int) -> Path:
     return path
 
 
+SCALE_WIDTHS = (256, 512, 1024)  # 0.13M, 0.40M, 1.33M parameters: the same batch, features and depth
+
+
+def scale_sweep(steps: int, rounds: int, warmup_steps: int) -> list[list[Any]]:
+    """The comparison at each width of `SCALE_WIDTHS`: the runner's extra time per step (wall and CPU) must not grow
+    with the parameter count."""
+    global WIDTH
+    rows = []
+    for width in SCALE_WIDTHS:
+        WIDTH = width
+        parameters = sum(p.numel() for p in make_model().parameters())
+        summary = measure(steps, rounds, warmup_steps)
+        hand, runner = summary["hand"], summary["runner"]
+        rows.append([f"{parameters / 1e6:.2f}M", hand["us_per_step"], runner["us_per_step"] - hand["us_per_step"],
+                     runner["cpu_us_per_step"] - hand["cpu_us_per_step"], runner["ratio"], runner["cpu_ratio"],
+                     "yes" if runner["same_params_as_hand"] else "NO"])  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per timed run")
@@ -496,8 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=200)
     parser.add_argument("--profile", action="store_true", help="cProfile the runner instead of comparing")
     parser.add_argument("--breakdown", action="store_true", help="only time the runner's extra calls in its loop")
+    parser.add_argument("--scale", action="store_true", help="the runner's extra time per step at 3 model widths")
     args = parser.parse_args(argv)
     threads = setup_threads()
+    if args.scale:
+        rows = scale_sweep(args.steps, args.rounds, args.warmup_steps)
+        print(format_table(["parameters", "hand us/step", "runner extra us/step", "runner extra cpu us/step",
+                            "ratio", "cpu ratio", "same params"], rows))  # fmt: skip
+        return 0
     if args.profile:
         print(f"profile written to {profile_runner(args.steps)}")
         return 0
