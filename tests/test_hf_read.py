@@ -212,3 +212,19 @@ def test_the_header_check_returns_what_the_library_would_read(tmp_path):
     metadata, header = check_safetensors_header(single / "model.safetensors")
     assert metadata == {"format": "pt"}
     assert sorted(header) == sorted(model.state_dict())
+
+
+@pytest.mark.timeout(60)
+def test_a_tied_model_starts_from_a_directory_save_pretrained_wrote_without_its_tied_copy(tmp_path):
+    from tests.scripts.hf_export_lm import Config, TiedRunner
+
+    model = tiny_llama(tie_word_embeddings=True)
+    source = saved(model, tmp_path / "tied")
+    assert "lm_head.weight" not in read_weights(source)  # save_pretrained leaves the tied copy out
+    config = Config()
+    for key, value in {"workspace.root": str(tmp_path / "runs"), "workspace.code_id": "tests"}.items():
+        config[key] = value
+    runner = TiedRunner.from_pretrained(config, source)
+    assert_equal(runner.model.state_dict(), model.state_dict())
+    assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
+    runner.close()

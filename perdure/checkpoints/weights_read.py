@@ -279,3 +279,22 @@ def in_model_layout(weights: dict[str, torch.Tensor], path: Path, adapter: Any) 
     if adapter is None or not is_hf_source(Path(path)):
         return weights
     return adapter.from_hf(weights)
+
+
+def with_tied(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` plus the entries of tied parameters they leave out, as `save_pretrained` leaves out `lm_head.weight`
+    when it is the input embedding: a name of `expected` (the model's state dict) missing from `weights` whose
+    tensor is the same storage as a present name's gets that name's tensor. Others stay missing (and are refused)."""
+    present = {
+        (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape): name
+        for name, tensor in expected.items()
+        if name in weights and tensor.device.type != "meta" and tensor.numel()
+    }
+    filled = dict(weights)
+    for name, tensor in expected.items():
+        if name in weights or tensor.device.type == "meta" or not tensor.numel():
+            continue
+        twin = present.get((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape))
+        if twin is not None:
+            filled[name] = weights[twin]
+    return filled

@@ -19,7 +19,7 @@ from perdure.checkpoints.hf_export import HF_META
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.snapshot import storage_key
 from perdure.checkpoints.source import RestoreSource
-from perdure.checkpoints.weights_read import in_model_layout
+from perdure.checkpoints.weights_read import in_model_layout, with_tied
 from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError, PerdureError
 from perdure.loggers.console import get_logger
@@ -431,7 +431,7 @@ def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tenso
     model = uncompiled(model)
     names = {plain_name(key): key for key in model.state_dict()}
     expected = plain_state_dict(model)
-    weights = strip_compile_prefix(weights)
+    weights = with_tied(strip_compile_prefix(weights), expected)  # `save_pretrained` leaves tied copies out
     missing = [key for key in expected if key not in weights]
     unexpected = [key for key in weights if key not in expected]
     shapes = [
