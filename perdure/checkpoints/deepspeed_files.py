@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.checkpoints.safe_unpickle import load_deepspeed_file
-from perdure.errors import CheckpointError
+from perdure.errors import CheckpointCorruptError, CheckpointError
 from perdure.safe_io import UnsafeFileError, is_symlink, regular_files_under, safe_name
 
 # Where DeepSpeed's files name parameters (model states: top level; optimizer states: under optimizer_state_dict).
@@ -35,6 +35,17 @@ def check_tag_dir(tag_dir: Path) -> None:
     """The engine's tag directory is a real directory of the checkpoint, not a symlink to files elsewhere."""
     if is_symlink(tag_dir) or not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir} is not a directory of the checkpoint (a symlink, a file or missing)")
+
+
+def refuse_hostile_checkpoint(checkpoint: Path, tag: str) -> None:
+    """Called by `resolve.find_latest` on a DeepSpeed checkpoint whose manifest verified, before the run chooses it:
+    its tag directory checked as `check_engine_files` does. A `CheckpointCorruptError` makes the resolution
+    quarantine it and fall back to an older checkpoint, as for a file or DCP checkpoint that fails to verify (a
+    manifest recomputed by whoever planted a symlink or a payload verifies). Reads only; loads no tensor data."""
+    try:
+        check_engine_files(checkpoint / tag)
+    except CheckpointError as error:
+        raise CheckpointCorruptError(checkpoint, f"refused DeepSpeed files: {str(error).rstrip('.')}") from None
 
 
 def check_engine_files(tag_dir: Path) -> list[Path]:

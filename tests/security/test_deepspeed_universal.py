@@ -86,6 +86,8 @@ def test_a_parameter_name_that_is_a_path_writes_nothing_outside(two_ranks, tmp_p
 
     (result,) = run_ranks(1, "resumable.py", root, *ZERO2, "--steps", "6", timeout=TIMEOUT)
     assert not (tmp_path / "outside").exists(), "the conversion wrote outside its directory"
-    assert result.returncode != 0, result.stdout
+    assert result.returncode == 0, result.stdout  # refused, quarantined, and trained from the start (nothing older)
     assert f"refused DeepSpeed checkpoint file {optim}" in result.stdout and "plain path component" in result.stdout
     assert not derived_path(checkpoint).exists()
+    (quarantined,) = (checkpoint.parent / "quarantine").glob(f"{CHECKPOINT}-*")
+    assert "plain path component" in (quarantined / "REASON.txt").read_text()
