@@ -356,8 +356,10 @@ class CheckpointingMixin:
         ema = self.ema.weights() if self.ema is not None else None
         return self.write_exports(plain_state_dict(self.unwrap_model()), ema)
 
-    def write_exports(self, weights: dict[str, torch.Tensor], ema: dict[str, torch.Tensor] | None) -> Path | None:
-        """Write full (unsharded) weights, and EMA weights when given, in every format of `ckpt.export_format`."""
+    def write_exports(
+        self, weights: dict[str, torch.Tensor] | None, ema: dict[str, torch.Tensor] | None
+    ) -> Path | None:
+        """Write full (unsharded) weights, and EMA weights, each when given, in every format of `ckpt.export_format`."""
         dtype, formats = self.config.ckpt.export_dtype, self.config.ckpt.export_format
         formats = [formats] if isinstance(formats, str) else formats
         written = []

@@ -175,18 +175,21 @@ class DeepSpeedRunner(TorchRunner):
         master copy is gathered one parameter at a time (`_gathered_fp32_weights`), not read from every rank's optimizer
         files; under ZeRO 1-2 DeepSpeed's zero-to-fp32 routine reads the checkpoint just committed (its files through
         the allow-list)."""
-        gathered = self._gathered_fp32_weights() if self.engine.zero_optimization_stage() == 3 else None
-        ema = self.ema.weights() if self.ema is not None else None  # under ZeRO-3 gathered: every rank takes part
-        if not self.is_main_process:
-            return None
-        weights = (
-            gathered
-            if gathered is not None
-            else read_deepspeed_weights(self.run_dir.checkpoints / self._position_name())
-        )
-        if self.engine.zero_optimization_stage() > 0:  # keyed by parameter name: into the module's state-dict layout
-            weights = as_module_state_dict(self.engine.module, weights)
-        return self.write_exports(weights, ema)
+        stage = self.engine.zero_optimization_stage()
+        weights = self._gathered_fp32_weights() if stage == 3 else None
+        written = None
+        if self.is_main_process:
+            if weights is None:
+                weights = read_deepspeed_weights(self.run_dir.checkpoints / self._position_name())
+            if stage > 0:  # keyed by parameter name: into the module's state-dict layout
+                weights = as_module_state_dict(self.engine.module, weights)
+            written = self.write_exports(weights, None)
+        del weights  # written before the EMA is gathered: one whole copy at a time
+        if self.ema is not None:
+            ema = self.ema.weights()  # under ZeRO-3 gathered from the partitions: every rank takes part
+            if self.is_main_process:
+                self.write_exports(None, ema)
+        return written
 
     def _gathered_fp32_weights(self) -> dict[str, torch.Tensor] | None:
         """ZeRO-3, on every rank (collective): the fp32 master weights of the engine's module keyed by parameter name,
