@@ -228,3 +228,15 @@ def test_a_tied_model_starts_from_a_directory_save_pretrained_wrote_without_its_
     assert_equal(runner.model.state_dict(), model.state_dict())
     assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
     runner.close()
+
+
+def test_ckpt_verify_checks_a_safetensors_file_or_a_save_pretrained_directory(tmp_path, capsys):
+    sharded = saved(tiny_llama(), tmp_path / "sharded", max_shard_size=4000)
+    code, said = perdure(capsys, "verify", sharded)
+    assert code == 0 and said.startswith(f"OK      {sharded}  (") and "21 tensors, Hugging Face layout)" in said
+    code, said = perdure(capsys, "verify", sharded / sorted(sharded.glob("model-*"))[0].name)
+    assert code == 0, said
+    hostile = tmp_path / "hostile.safetensors"
+    hostile.write_bytes(safetensors_bytes({"w": TENSOR}, bytes(4)))
+    code, said = perdure(capsys, "verify", hostile)
+    assert code == 1 and said.startswith(f"FAILED  {hostile}: ") and "the file holds 4 data bytes" in said

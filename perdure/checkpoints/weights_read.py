@@ -214,14 +214,22 @@ def read_safetensors(path: Path, *, named: bool = False) -> dict[str, torch.Tens
 
 
 def _read_hf_dir(directory: Path) -> dict[str, torch.Tensor]:
-    """A `save_pretrained`-style directory: its sharded index, else `model.safetensors`, else `pytorch_model.bin`."""
+    files = hf_dir_files(directory)
+    if files[0].suffix != ".safetensors":
+        return _tensors(_load(files[0]), files[0])
+    return {name: tensor for file in files for name, tensor in read_safetensors(file).items()}
+
+
+def hf_dir_files(directory: Path) -> list[Path]:
+    """The weight files of a `save_pretrained`-style directory: the shards of its index, else `model.safetensors`,
+    else `pytorch_model.bin`; none of them a symlink."""
     index = directory / INDEX_NAME
     if os.path.lexists(index):
-        return {name: tensor for shard in index_shards(index) for name, tensor in read_safetensors(shard).items()}
+        return index_shards(index)
     single = directory / SAFETENSORS_NAME
     if os.path.lexists(single):
-        return read_safetensors(check_real_path(single, directory))
-    return _tensors(_load(check_real_path(directory / BIN_NAME, directory)), directory / BIN_NAME)
+        return [check_real_path(single, directory)]
+    return [check_real_path(directory / BIN_NAME, directory)]
 
 
 def index_shards(index: Path) -> list[Path]:

@@ -2,7 +2,10 @@
 
     perdure ckpt ls RUN                       every committed checkpoint, newest first, with its verification
     perdure ckpt verify RUN|CKPT              exit 1 if any checkpoint or pointer fails; says which file and how
+                                              (also a .safetensors file or a save_pretrained directory)
     perdure ckpt export CKPT OUT.pth|OUT.safetensors [--dtype bf16] [--ema]
+                                              CKPT may also be a weights file (.pth, .safetensors) or a
+                                              save_pretrained directory (see weights_read.py)
     perdure ckpt export CKPT OUT_DIR --format hf    a directory transformers' from_pretrained loads
     perdure ckpt prune RUN --keep K [--dry-run]
 
@@ -37,7 +40,7 @@ from perdure.checkpoints.commit import (
 from perdure.checkpoints.hf_export import HF_META, read_hf_meta, write_hf_dir
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
-from perdure.checkpoints.weights_read import is_hf_dir, is_hf_source
+from perdure.checkpoints.weights_read import hf_dir_files, is_hf_dir, is_hf_source
 from perdure.cli.ckpt_mirror import is_url, location, mirror_export, mirror_ls, mirror_prune, mirror_verify, on_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
@@ -311,6 +314,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         echo(_ok_line(item, deep) if item.ok else f"FAILED  {item.path}: {item.error}")
         return 0 if item.ok else 1
 
+    if is_hf_dir(path) or (path.is_file() and path.suffix == ".safetensors"):
+        return _verify_weights(path)
     root, _ = checkpoints_root(path)
     checked = check_all(root, deep=deep)
     failures = 0
@@ -344,6 +349,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if failures:
         echo(f"{failures} failure(s) in {root}")
     return 1 if failures else 0
+
+
+def _verify_weights(path: Path) -> int:
+    """`verify` of a safetensors file or a `save_pretrained` directory: every file's header checked, every tensor read
+    (`weights_read.read_weights`); 1 if any of it fails."""
+    files = hf_dir_files(path) if path.is_dir() else [path]
+    try:
+        weights = read_weights(path)
+    except (CheckpointError, OSError) as error:
+        echo(f"FAILED  {path}: {error}")
+        return 1
+    size = sum(file.stat().st_size for file in files)
+    layout = "Hugging Face layout" if is_hf_source(path) else "perdure's names"
+    echo(f"OK      {path}  ({len(files)} files, {human_size(size)}, {len(weights)} tensors, {layout})")
+    return 0
 
 
 # ---- export --------------------------------------------------------------------------------------------------------
