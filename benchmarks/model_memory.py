@@ -76,8 +76,9 @@ def memory(field: str) -> int:
     raise LookupError(field)
 
 
-def worker(case: str, width: int, depth: int, root: str, out: str) -> None:
-    """One rank of one case: build, train one step, commit one checkpoint, export; the peaks after each phase."""
+def worker(case: str, width: int, depth: int, root: str, out: str, ema: bool = False) -> None:
+    """One rank of one case: build, train one step, commit one checkpoint, export; the peaks after each phase. With
+    `ema`, `ema.enabled` (its shadows, their update, their save and model-ema.pth are in the figures)."""
     import torch
     from torch import nn
 
@@ -139,6 +140,7 @@ def worker(case: str, width: int, depth: int, root: str, out: str) -> None:
     config.workspace.root = root
     config.workspace.code_id = "bench"
     config.log.interval = 1
+    config.ema.enabled = ema
     if stack == "deepspeed":
         config.deepspeed.zero_stage = 3
         config.deepspeed.config = DEEPSPEED_BUCKETS(width)
@@ -155,7 +157,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_case(case: str, allocator: str, width: int, depth: int) -> list[dict[str, Any]]:
+def run_case(case: str, allocator: str, width: int, depth: int, ema: bool = False) -> list[dict[str, Any]]:
     """Launch the ranks of one case in fresh processes; each rank's peaks."""
     _, ranks, _ = CASES[case]
     port = free_port()
@@ -175,7 +177,8 @@ def run_case(case: str, allocator: str, width: int, depth: int) -> list[dict[str
                 "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
             }
             command = [sys.executable, __file__, "--worker", case, "--width", str(width), "--depth", str(depth),
-                       "--root", f"{scratch}/runs", "--out", f"{scratch}/rank{rank}.json"]  # fmt: skip
+                       "--root", f"{scratch}/runs", "--out", f"{scratch}/rank{rank}.json",
+                       *(["--ema"] if ema else [])]  # fmt: skip
             processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         outputs = [process.communicate()[0].decode(errors="replace") for process in processes]
         for rank, process in enumerate(processes):
@@ -193,9 +196,10 @@ def main() -> None:
     parser.add_argument("--worker", choices=list(CASES))
     parser.add_argument("--root")
     parser.add_argument("--out")
+    parser.add_argument("--ema", action="store_true", help="train with ema.enabled (default: without)")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.width, args.depth, args.root, args.out)
+        worker(args.worker, args.width, args.depth, args.root, args.out, args.ema)
         return
     parameters = args.depth * (args.width * args.width + args.width)
     model_bytes = 4 * parameters
@@ -207,7 +211,7 @@ def main() -> None:
     for allocator in args.allocators:
         for case in args.cases:
             stack, ranks, build = CASES[case]
-            per_rank = run_case(case, allocator, args.width, args.depth)
+            per_rank = run_case(case, allocator, args.width, args.depth, args.ema)
             rises = {
                 phase: max(peaks[phase] - peaks["start"] for peaks in per_rank) / model_bytes
                 for phase in PHASES
@@ -233,7 +237,7 @@ def main() -> None:
     if note:
         print(note)
     config = {"width": args.width, "depth": args.depth, "parameters": parameters, "model_bytes": model_bytes,
-              "batch": BATCH, "cases": args.cases, "allocators": args.allocators}  # fmt: skip
+              "batch": BATCH, "cases": args.cases, "allocators": args.allocators, "ema": args.ema}  # fmt: skip
     write_results(NAME, config, results, targets)
 
 
