@@ -21,6 +21,7 @@ rank's local gradient shards with the same rank of the other groups, and a heal 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from perdure.checkpoints.base import CheckpointPolicy, Stateful
@@ -358,6 +359,11 @@ class FaultTolerant:
 
     def export_model(self) -> Any:
         return super().export_model() if self._reporter else None
+
+    def export_hf(self, target: str | Path | None = None) -> Path | None:
+        # one group writes <run dir>/hf, as for model.pth: two groups renaming their staging directories into the
+        # same place would race
+        return super().export_hf(target) if self._reporter else None
 
     def close(self, status: str = "stopped", reason: str = "closed") -> None:
         try:
