@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from perdure.config_checks import (
     check_root,
 )
 from perdure.config_text import is_int, is_number
-from perdure.errors import ConfigError, PerdureError
+from perdure.errors import ConfigError, PerdureError, show_traceback
 from perdure.ft.config import check_ft
 from perdure.safe_io import (
     MAX_YAML_BYTES,
@@ -133,17 +134,17 @@ class RunnerConfig(chanfig.Config):
         super().__init__(*args, **kwargs)
         self.stack = "torch"  # training stack: torch (one process or DDP), parallel, deepspeed
         self.seed = 0  # seeds python, numpy and torch; each rank derives its own stream from it
-        self.steps = None  # budget in optimizer steps (set exactly one of steps / epochs)
-        self.epochs = None  # budget in passes over the training data (set exactly one of steps / epochs)
-        self.accum_steps = 1  # micro-batches per optimizer step (gradient accumulation)
+        self.steps: int | None = None  # budget in optimizer steps (set exactly one of steps / epochs)
+        self.epochs: int | None = None  # budget in passes over the training data (set exactly one of steps / epochs)
+        self.accum_steps: int = 1  # micro-batches per optimizer step (gradient accumulation)
         self.precision = "fp32"  # fp32, or bf16 / fp16 autocast (fp16 also scales the loss)
         self.loss.normalize = "mean"  # mean: train_step returns a mean; tokens: a sum, divided by the window's tokens
-        self.max_grad_norm = None  # clip the gradient norm to this; None or 0: no clipping
+        self.max_grad_norm: float | None = None  # clip the gradient norm to this; None or 0: no clipping
         self.skip_nonfinite_grad = True  # skip (and count) an optimizer step whose gradients are not finite
         self.deterministic = False  # deterministic kernels (GPU resumes bit-exact); see docs/checkpoints.md
-        self.checkpoint = None  # start a new run from this checkpoint's full state
-        self.resume = "auto"  # auto: continue this run's latest checkpoint; false: refuse to start over one
-        self.pretrained = None  # start from these model weights only (an export or a checkpoint)
+        self.checkpoint: str | None = None  # start a new run from this checkpoint's full state
+        self.resume: str | bool = "auto"  # auto: continue this run's latest checkpoint; false: refuse to start over one
+        self.pretrained: str | None = None  # start from these model weights only (an export or a checkpoint)
         self.eval.steps = None  # batches of each split an evaluation reads (all ranks together); None: all of it
         self.eval.interval = None  # evaluate every N steps (epochs); None: every ckpt.interval steps (every epoch)
         self.ckpt.enabled = True  # false: write no checkpoint, pointer or export (reads still happen)
@@ -594,13 +595,16 @@ def read_config_file(file: str | os.PathLike, key: str = "config", scalars_as_te
 
 
 def install_excepthook() -> None:
-    """Print an uncaught `PerdureError` as one line `error: <message>` (no traceback). Idempotent."""
+    """Print an uncaught `PerdureError` as one line `error: <message>` (no traceback unless `PERDURE_TRACEBACK=1`).
+    Idempotent."""
     if getattr(sys.excepthook, "_perdure", False):
         return
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         if issubclass(exc_type, PerdureError):
+            if show_traceback():
+                traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
             print(f"error: {escape_terminal(exc, keep_newlines=True)}", file=sys.stderr)
         else:
             previous(exc_type, exc, tb)

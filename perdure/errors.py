@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+# PERDURE_TRACEBACK=1: a PerdureError that ends a program or a `perdure` command also prints its traceback.
+TRACEBACK_ENV = "PERDURE_TRACEBACK"
+
+
+def show_traceback() -> bool:
+    """Whether `PERDURE_TRACEBACK` asks for the traceback of a `PerdureError` (normally one line `error: ...`)."""
+    return os.environ.get(TRACEBACK_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
 
 class PerdureError(Exception):
     """Base of perdure's own errors. The message alone must tell the user what to do; no traceback is needed."""

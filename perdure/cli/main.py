@@ -7,9 +7,10 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
-from perdure.errors import PerdureError
+from perdure.errors import PerdureError, show_traceback
 from perdure.safe_io import echo
 
 # Each subcommand module exposes `add_parser(subparsers)`; the parser it adds sets `handler(args) -> int`.
@@ -35,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except PerdureError as error:
+        if show_traceback():
+            traceback.print_exc()
         echo(f"error: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `perdure ... | head`: the reader left; say nothing more

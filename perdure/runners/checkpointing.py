@@ -410,7 +410,9 @@ class CheckpointingMixin:
 
     @classmethod
     def from_pretrained(cls, config: RunnerConfig, path: str | Path) -> BaseRunner:
-        """Build a runner from `config` and load model weights only from `path` (an export or a checkpoint)."""
+        """Build a runner from a copy of `config` and load model weights only from `path` (an export or a checkpoint).
+        The caller's `config` is left as it was."""
+        config = config.deepcopy()
         config.pretrained = str(path)
         config.checkpoint = None
         return cls(config)
