@@ -32,6 +32,7 @@ from perdure.distributed.collectives import broadcast_object
 from perdure.distributed.process_group import select_backend
 from perdure.errors import PerdureError
 from perdure.ft.config import lighthouse_address
+from perdure.ft.kill_watch import KillWatch, killed_line
 from perdure.ft.manager import (
     GradientAverager,
     HealRefusedError,
@@ -40,6 +41,7 @@ from perdure.ft.manager import (
     build_manager,
     local_shards,
     sharded_like,
+    torchft_replica_id,
 )
 from perdure.ft.replica import ReplicaRunLock, ReplicaStates
 from perdure.ft.telemetry import ReplicaTelemetry
@@ -86,6 +88,7 @@ class FaultTolerant:
         super().__init__(config)
         self.ft_progress = FTProgress(self.group_size)
         self.ft_manager: Any = None
+        self._kill_watch: KillWatch | None = None
         self._ft_store: Any = None
         self._averager: GradientAverager | None = None
         self._quorum_open = False  # a quorum was taken for the coming step (a healed group re-reads its window)
@@ -308,6 +311,8 @@ class FaultTolerant:
             # on one GPU, which NCCL refuses)
             backend=select_backend(self.config.dist.backend) if self.device.type == "cuda" else "gloo",
         )
+        if self.rank == 0:  # the process that runs the group's manager server, which torchft's kill ends
+            self._kill_watch = KillWatch(self._stopped_from_outside).arm()
         self.ft_manager, self._ft_store = build_manager(settings, self._ft_state_dict, self._ft_load_state_dict)
         progress = self.ft_progress
         if progress.restored is None:  # a fresh start, or a checkpoint of a plain run: one commit per step taken
@@ -339,7 +344,15 @@ class FaultTolerant:
                 state.load_state_dict(sharded_like(state.state_dict(), states[key]))
         self._healed = True
 
+    def _stopped_from_outside(self) -> None:
+        """The kill watch's action (on its thread; the process exits 94 right after): say it, record `killed`."""
+        line = killed_line(self.replica_id, self._lighthouse(), torchft_replica_id(self.replica_id))
+        self.logger.error("%s", line)
+        self.telemetry.record_hang(line, status="killed")
+
     def _stop_ft(self) -> None:
+        if self._kill_watch is not None:
+            self._kill_watch.disarm()
         if self.ft_manager is not None:
             manager, self.ft_manager = self.ft_manager, None
             manager.shutdown(wait=False)

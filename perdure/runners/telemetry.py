@@ -255,15 +255,16 @@ class RunTelemetry:
                 self._write_sidecar()
             self.active = False
 
-    def record_hang(self, reason: str) -> None:
+    def record_hang(self, reason: str, status: str = "hung") -> None:
         """The hang watch ends the attempt (`perdure.resilience.hang_watch`; called on its thread, the process exits
-        right after): the sidecar records `hung` with `reason`, then the loggers are flushed (not closed)."""
+        right after): the sidecar records `hung` with `reason`, then the loggers are flushed (not closed). The kill
+        watch of a replica group (`perdure.ft.kill_watch`) records `killed` the same way."""
         if not self.active or self.sidecar is None:
             return
         self.active = False
         self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
         self._record_goodput()
-        self.sidecar.finish_attempt("hung", reason)
+        self.sidecar.finish_attempt(status, reason)
         self._write_sidecar()
         self.loggers.flush()
 

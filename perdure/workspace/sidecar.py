@@ -40,7 +40,7 @@ from perdure.workspace.goodput import attempt_goodput, clock_is_valid, is_goodpu
 SIDECAR_NAME = "sidecar.json"
 HEARTBEAT_NAME = "heartbeat"
 SIDECAR_FORMAT = "perdure-sidecar/1"
-STATUSES = ("running", "completed", "failed", "preempted", "stopped", "stuck", "hung")
+STATUSES = ("running", "completed", "failed", "preempted", "stopped", "stuck", "hung", "killed")
 STALE = "stale"
 # Status of an attempt that never recorded its end (the next attempt found it still `running`).
 INTERRUPTED = "interrupted"

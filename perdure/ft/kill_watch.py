@@ -1,0 +1,101 @@
+"""A replica group stopped from outside: one clear line, the attempt recorded `killed`, exit status 94.
+
+torchft's lighthouse dashboard stops a group with `POST /replica/<id>/kill`: the lighthouse asks the group's manager
+server (in the group's rank 0) to end, and torchft's Rust handler calls C `exit(1)` on one of its server threads.
+No Python exception, no `finally`: while the process tears torch's C++ state down, the training thread fails with a
+raw traceback (`RuntimeError: unknown parameter type`) and nothing records why the group ended.
+
+`KillWatch` sees that exit. Two C exit handlers are registered with glibc's `__cxa_atexit` (plain libc functions,
+no Python in them): the first to run posts semaphore `began`, the next waits on semaphore `release`. A Python
+thread waits on `began`. When native code calls `exit()` while the watch is armed, the exiting thread is parked in
+the second handler before torch's own exit handlers (registered earlier, run later) have touched anything; the
+Python thread wakes, calls `on_kill` (which says so and records the attempt) and ends the process with
+`os._exit(KILLED_EXIT_CODE)`. `disarm()` (when the runner closes, and as a Python `atexit` handler, which runs
+before the interpreter finalizes) posts `release` and wakes the thread to end: the C handlers that run at a normal
+exit then return at once. C exit handlers cannot be removed: each armed watch leaves two that do nothing after
+`disarm()`, and 64 bytes of semaphores.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger("perdure")
+
+KILLED_EXIT_CODE = 94  # stopped from outside on purpose (torchft's kill): a relaunch is the operator's decision
+_SEM_BYTES = 32  # sizeof(sem_t) on 64-bit glibc
+
+
+def killed_line(replica_id: int, lighthouse: str, torchft_id: str) -> str:
+    """What a group stopped from the lighthouse says (and records as the reason of its attempt)."""
+    return (
+        f"replica group {replica_id} was stopped from outside: its torchft manager received a kill request and ended "
+        f"the process (the dashboard of the lighthouse at {lighthouse} sends one on POST /replica/{torchft_id}:<uuid>"
+        f"/kill, without authentication). The attempt is recorded `killed`; exit status {KILLED_EXIT_CODE}. The steps "
+        "since the last checkpoint of this group are lost; relaunch it with the same command to resume or heal. "
+        "Keep the lighthouse on loopback (its default) so that only this machine can stop groups (docs/security.md)"
+    )
+
+
+class KillWatch:
+    """Armed in the process that runs a group's torchft manager server, from `arm()` until `disarm()`."""
+
+    def __init__(self, on_kill: Callable[[], None]) -> None:
+        self._on_kill = on_kill
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._began = self._release = 0
+        self._disarmed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _semaphore(self) -> int:
+        """A process-private semaphore at 0, in memory never freed (the C exit handlers use it after Python ends)."""
+        libc = self._libc
+        libc.malloc.restype = ctypes.c_void_p
+        address = libc.malloc(ctypes.c_size_t(_SEM_BYTES))
+        if not address or libc.sem_init(ctypes.c_void_p(address), 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed for the kill watch")
+        return address
+
+    def arm(self) -> KillWatch:
+        libc = self._libc
+        self._began, self._release = self._semaphore(), self._semaphore()
+        handler = ctypes.cast(libc.sem_post, ctypes.c_void_p)
+        wait = ctypes.cast(libc.sem_wait, ctypes.c_void_p)
+        # Run in reverse order of registration: `sem_post(began)` first, then `sem_wait(release)`.
+        for function, argument in ((wait, self._release), (handler, self._began)):
+            if libc["__cxa_atexit"](function, ctypes.c_void_p(argument), None) != 0:
+                raise OSError(ctypes.get_errno(), "__cxa_atexit failed for the kill watch")
+        atexit.register(self.disarm)
+        self._thread = threading.Thread(target=self._watch, name="perdure-ft-kill-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def disarm(self) -> None:
+        """The process ends (or the runner closes) through Python: the watch stands down. Idempotent."""
+        if self._thread is None or self._disarmed.is_set():
+            return
+        self._disarmed.set()
+        self._libc.sem_post(ctypes.c_void_p(self._release))
+        self._libc.sem_post(ctypes.c_void_p(self._began))
+        self._thread.join(timeout=5)
+        atexit.unregister(self.disarm)
+
+    def _watch(self) -> None:
+        while self._libc.sem_wait(ctypes.c_void_p(self._began)) != 0:  # EINTR: wait again
+            pass
+        if self._disarmed.is_set():
+            return
+        try:
+            self._on_kill()
+        finally:
+            for handler in logging.getLogger("perdure").handlers:
+                handler.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(KILLED_EXIT_CODE)
