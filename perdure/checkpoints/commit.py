@@ -23,6 +23,8 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from perdure.atomic import atomic_write_text as atomic_write_text  # re-exported: the one atomic write
+from perdure.atomic import fsync_dir
 from perdure.errors import CheckpointCorruptError, CheckpointError
 from perdure.safe_io import (
     UnsafeFileError,
@@ -144,42 +146,12 @@ def hash_file(path: Path, chunk: int = 8 << 20) -> FileRecord:
     return FileRecord(size, hasher.hexdigest())
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so that entries created, renamed or removed in it survive a crash."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` atomically: a reader sees the old content or the new one, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "x", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except OSError as error:
-        tmp.unlink(missing_ok=True)
-        if error.filename is None:  # a write or fsync names no file: say which one (a full disk's ENOSPC)
-            raise OSError(error.errno, error.strerror, str(path)) from error
-        raise
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def make_staging_dir(root: Path, name: str) -> Path:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from perdure.atomic import TEMPORARY_MARK, atomic_write_text
 from perdure.safe_io import (
     UnsafeFileError,
-    create_new,
     ensure_dir,
     is_regular_or_missing,
     move_aside,
@@ -45,7 +44,8 @@ class StepLines:
         The file is never written through a symlink: a symlink (or a FIFO, a device) in its place is moved aside with
         a warning, its target untouched, and the file starts anew."""
         ensure_dir(self.path.parent)
-        for stale in self.path.parent.glob(f".{self.path.name}.*.tmp"):  # a rewrite a kill interrupted
+        stale_names = (f".{self.path.name}{TEMPORARY_MARK}*", f".{self.path.name}.*.tmp")  # the second: older perdure
+        for stale in (path for name in stale_names for path in self.path.parent.glob(name)):  # an interrupted rewrite
             stale.unlink(missing_ok=True)  # a symlink is removed itself, never its target
         try:
             is_regular_or_missing(self.path)
@@ -112,7 +112,7 @@ class StepLines:
             keep = resumed_step > 0 and step is not None and step <= resumed_step
             (kept if keep else dropped).append(line)
         if changed or dropped:
-            _atomic_write(self.path, "".join(line + "\n" for line in kept))
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         return dropped
 
     def _step_or_none(self, line: str) -> int | None:
@@ -120,18 +120,3 @@ class StepLines:
             return int(self._step_of(line))
         except (ValueError, TypeError, KeyError, IndexError):
             return None
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Replace `path` by `text` so that a crash leaves either the old or the new file, never a mix."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    with os.fdopen(create_new(temporary), "w", encoding="utf-8", newline="") as stream:
-        stream.write(text)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
