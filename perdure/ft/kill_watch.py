@@ -9,10 +9,10 @@ raw traceback (`RuntimeError: unknown parameter type`) and nothing records why t
 no Python in them): the first to run posts semaphore `began`, the next waits on semaphore `release`. A Python
 thread waits on `began`. When native code calls `exit()` while the watch is armed, the exiting thread is parked in
 the second handler before torch's own exit handlers (registered earlier, run later) have touched anything; the
-Python thread wakes, calls `on_kill` (which says so and records the attempt) and ends the process with
-`os._exit(KILLED_EXIT_CODE)`. `disarm()` (when the runner closes, and as a Python `atexit` handler, which runs
-before the interpreter finalizes) posts `release` and wakes the thread to end: the C handlers that run at a normal
-exit then return at once. C exit handlers cannot be removed: each armed watch leaves two that do nothing after
+Python thread wakes, calls `on_kill` (which says so and records the attempt; given `ACT_SECONDS`) and ends the
+process with `os._exit(KILLED_EXIT_CODE)`. `disarm()` (when the runner closes, and as a Python `atexit` handler,
+which runs before the interpreter finalizes) posts `release` and wakes the thread to end: the C handlers that run at
+a normal exit then return at once. C exit handlers cannot be removed: each armed watch leaves two that do nothing after
 `disarm()`, and 64 bytes of semaphores.
 """
 
@@ -25,6 +25,8 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+
+from perdure.resilience.hang_watch import ACT_SECONDS, _bounded
 
 logger = logging.getLogger("perdure")
 
@@ -72,6 +74,7 @@ class KillWatch:
             if libc["__cxa_atexit"](function, ctypes.c_void_p(argument), None) != 0:
                 raise OSError(ctypes.get_errno(), "__cxa_atexit failed for the kill watch")
         atexit.register(self.disarm)
+        os.register_at_fork(after_in_child=self._forked)  # a forked child (a data worker) has no watch thread
         self._thread = threading.Thread(target=self._watch, name="perdure-ft-kill-watch", daemon=True)
         self._thread.start()
         return self
@@ -86,16 +89,22 @@ class KillWatch:
         self._thread.join(timeout=5)
         atexit.unregister(self.disarm)
 
+    def _forked(self) -> None:
+        """In a child forked through Python: the inherited C handlers must not park its exit (nothing would wake
+        them); its copy of `release` is posted, once."""
+        if not self._disarmed.is_set():
+            self._disarmed.set()
+            self._libc.sem_post(ctypes.c_void_p(self._release))
+            atexit.unregister(self.disarm)
+
     def _watch(self) -> None:
         while self._libc.sem_wait(ctypes.c_void_p(self._began)) != 0:  # EINTR: wait again
             pass
         if self._disarmed.is_set():
             return
-        try:
-            self._on_kill()
-        finally:
-            for handler in logging.getLogger("perdure").handlers:
-                handler.flush()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(KILLED_EXIT_CODE)
+        _bounded(self._on_kill, ACT_SECONDS)  # a hung filesystem must not keep the process alive, half exited
+        for handler in logging.getLogger("perdure").handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(KILLED_EXIT_CODE)
