@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ def shown(path: Path) -> str:
 class Training:
     """`examples/mlp.py` in a subprocess; its output is echoed, indented, as it arrives."""
 
-    def __init__(self, root: Path, delay: float, echo=lambda line: True, nproc: int = 1):
+    def __init__(self, root: Path, delay: float, echo: Callable[[str], object] = lambda line: True, nproc: int = 1):
         self.root = root
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         prefix = ""
@@ -83,7 +84,8 @@ class Training:
         self.reader = threading.Thread(target=self._read, args=(echo,), daemon=True)
         self.reader.start()
 
-    def _read(self, echo) -> None:
+    def _read(self, echo: Callable[[str], object]) -> None:
+        assert self.process.stdout is not None  # started with stdout=PIPE
         for line in self.process.stdout:
             line = line.rstrip("\n")
             self.lines.append(line)

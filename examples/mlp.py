@@ -19,6 +19,8 @@ Environment knobs (for demos only, they do not change the maths or the run's ide
 
 import os
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +30,7 @@ from perdure import ConfigError, Runner, RunnerConfig
 
 
 class Config(RunnerConfig):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         # The comment at the end of a line is that key's help in `--help` (perdure's keys have theirs already).
         self.steps = 300  # optimizer steps
@@ -54,7 +56,7 @@ class Config(RunnerConfig):
         self.net.hidden = 128  # width of the two hidden layers
         self.net.dropout = 0.1  # dropout after each hidden layer
 
-    def check_user_keys(self):
+    def check_user_keys(self) -> None:
         # Our own keys are checked like perdure's: after --config and the command line, before anything is written.
         if not 0 < self.data.val_fraction < 1:
             raise ConfigError("data.val_fraction", self.data.val_fraction, "use a fraction in (0, 1), e.g. 0.125")
@@ -62,7 +64,9 @@ class Config(RunnerConfig):
             raise ConfigError("net.dropout", self.net.dropout, "use a probability in [0, 1), e.g. 0.1")
 
 
-def make_dataset(samples, features, classes, clusters, noise, val_fraction, seed):
+def make_dataset(
+    samples: int, features: int, classes: int, clusters: int, noise: float, val_fraction: float, seed: int
+) -> tuple[TensorDataset, TensorDataset]:
     """Gaussian blobs around random centres, `clusters` centres per class (not linearly separable), split into a
     shuffled train / val pair. The generator is seeded here, so the data never depends on the run's seed."""
     g = torch.Generator().manual_seed(seed)
@@ -77,7 +81,7 @@ def make_dataset(samples, features, classes, clusters, noise, val_fraction, seed
 
 
 class MLP(nn.Module):
-    def __init__(self, features, hidden, classes, dropout):
+    def __init__(self, features: int, hidden: int, classes: int, dropout: float) -> None:
         super().__init__()
         self.net = nn.Sequential(
             nn.Linear(features, hidden),
@@ -89,12 +93,16 @@ class MLP(nn.Module):
             nn.Linear(hidden, classes),
         )
 
-    def forward(self, x):
-        return self.net(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
 
 
 class MLPRunner(Runner):
-    def __init__(self, config):
+    model: MLP  # narrower than the base's `nn.Module | None`: the type checker knows what this runner trains
+    criterion: nn.CrossEntropyLoss
+
+    def __init__(self, config: Config) -> None:
         super().__init__(config)  # seed, run directory, logging and the checkpoint manager exist after this line
         data, net = config.data, config.net
         self.model = MLP(data.features, net.hidden, data.classes, net.dropout)
@@ -107,14 +115,14 @@ class MLPRunner(Runner):
         self.eval_delay = float(os.environ.get("MLP_EVAL_DELAY", "0"))
 
     # The default train_step (criterion(model(x), y)) is all we need; evaluation also reports accuracy.
-    def evaluate_step(self, batch):
+    def evaluate_step(self, batch: Any) -> dict[str, torch.Tensor]:
         x, y = self.unpack_batch(batch)
         logits = self.model(x)
         if self.eval_delay:
             time.sleep(self.eval_delay)
         return {"loss": self.criterion(logits, y), "accuracy": (logits.argmax(dim=1) == y).float().mean()}
 
-    def train_step(self, batch):
+    def train_step(self, batch: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
         loss = super().train_step(batch)
         if self.step_delay:
             time.sleep(self.step_delay)

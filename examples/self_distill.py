@@ -17,6 +17,7 @@ Environment knob (for tests only, it does not change the maths or the run's iden
 import copy
 import os
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from perdure import Runner, RunnerConfig
 
 
 class Config(RunnerConfig):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.steps = 200
         self.seed = 1337
@@ -59,16 +60,18 @@ class Teacher:
         for mine, theirs in zip(self.net.parameters(), student.parameters()):
             mine.lerp_(theirs, 1 - momentum)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"net": self.net.state_dict(), "center": self.center}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.net.load_state_dict(state["net"])
         self.center.copy_(state["center"])
 
 
 class SelfDistillRunner(Runner):
-    def __init__(self, config):
+    model: nn.Sequential
+
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         net = config.net
         g = torch.Generator().manual_seed(0)  # the data never depends on the run's seed
@@ -79,7 +82,7 @@ class SelfDistillRunner(Runner):
         self.checkpointed["teacher"] = self.teacher  # saved and restored with the run, after its own state
         self.step_delay = float(os.environ.get("DISTILL_STEP_DELAY", "0"))
 
-    def train_step(self, batch):
+    def train_step(self, batch: Any) -> torch.Tensor:
         (x,) = self.to_device(batch)
         # Two random views of each sample (global generators: perdure restores them on resume).
         view_teacher = x + 0.1 * torch.randn_like(x)

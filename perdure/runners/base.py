@@ -22,7 +22,7 @@ import logging
 import math
 import multiprocessing
 import signal
-from abc import ABCMeta, abstractmethod
+from abc import ABCMeta
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
@@ -97,6 +97,7 @@ class BaseRunner(
     # ranks, else file). A class set here, on a stack or on the user's runner class, wins over the config.
     checkpoint_manager_class: ClassVar[type[CheckpointManager] | None] = None
 
+    device: torch.device  # set by the stack when it starts (the device this process trains on)
     model: nn.Module | None
     criterion: Callable[..., torch.Tensor] | None
     optimizer: torch.optim.Optimizer | None
@@ -219,12 +220,12 @@ class BaseRunner(
     def is_main_process(self) -> bool:
         return self.rank == 0
 
-    @abstractmethod
     def place_model(self) -> None:
         """Called in `__post_init__` before the default optimizer is built: move `self.model` to its device.
 
         Must keep the parameter objects (the user's optimizer may already hold them) and must not wrap the model.
         """
+        raise NotImplementedError(f"{type(self).__name__}: place_model is implemented by a stack (subclass Runner)")
 
     def random_stream(self) -> int:
         """Called in `__post_init__` before the model is placed: the index of the random stream this process draws
@@ -253,15 +254,14 @@ class BaseRunner(
         hold."""
         return uncompiled(self.model)
 
-    @abstractmethod
     def autocast(self) -> AbstractContextManager:
         """The mixed-precision context `train_step` runs in. Must not change any state."""
+        raise NotImplementedError(f"{type(self).__name__}: autocast is implemented by a stack (subclass Runner)")
 
-    @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate one micro-batch's (already scaled for accumulation) loss."""
+        raise NotImplementedError(f"{type(self).__name__}: backward is implemented by a stack (subclass Runner)")
 
-    @abstractmethod
     def optimizer_step(self) -> bool:
         """Unscale, check, clip and step the optimizer; return False when the step was skipped as non-finite.
 
@@ -269,6 +269,7 @@ class BaseRunner(
         extend it to update objects of its own after the step (a momentum teacher, a target network): call
         `super().optimizer_step()` first, act only when it returned True, and put those objects in `self.checkpointed`.
         """
+        raise NotImplementedError(f"{type(self).__name__}: optimizer_step is implemented by a stack (subclass Runner)")
 
     def no_sync(self, last_micro_batch: bool) -> AbstractContextManager:
         """Context for one micro-batch's forward/backward; DDP stacks skip the gradient all-reduce until the last."""

@@ -1,0 +1,55 @@
+"""The examples type-check under `mypy --strict` with the project's config (what `make lint` runs), and a type error in
+one of them is caught: `Runner` is a concrete class to a type checker although the stack is chosen at run time."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+api = pytest.importorskip("mypy.api")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_mypy_strict_flags_a_type_error_in_an_example_and_passes_the_real_one(tmp_path: Path) -> None:
+    # One mypy run (a cold cache reads torch's stubs once): the real example next to a copy with a deliberate error.
+    real = tmp_path / "real" / "mlp.py"
+    broken = tmp_path / "broken" / "mlp_broken.py"
+    real.parent.mkdir()
+    broken.parent.mkdir()
+    shutil.copy(ROOT / "examples" / "mlp.py", real)
+    source = real.read_text()
+    assert "self.steps = 300" in source
+    broken.write_text(source.replace("self.steps = 300", 'self.steps = "300"'))
+    stdout, stderr, status = api.run(
+        [
+            "--strict",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            str(real),
+            str(broken),
+        ]
+    )
+    errors = [line for line in stdout.splitlines() if ": error:" in line]
+    assert status == 1, stdout + stderr
+    assert errors, stdout
+    assert all("mlp_broken.py" in line for line in errors), stdout
+    assert any("[assignment]" in line for line in errors), stdout
+
+
+def test_py_typed_ships_and_the_torch_requirement_is_the_tested_version() -> None:
+    import torch
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert (ROOT / "perdure" / "py.typed").is_file()
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["perdure"]
+    (torch_requirement,) = [r for r in map(Requirement, project["project"]["dependencies"]) if r.name == "torch"]
+    assert torch_requirement.specifier.contains(torch.__version__.split("+")[0])
+    assert not torch_requirement.specifier.contains("2.12.0") and not torch_requirement.specifier.contains("2.14.0")
