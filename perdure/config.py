@@ -316,6 +316,8 @@ class RunnerConfig(chanfig.Config):
         except PerdureError as error:
             if not exit_on_error:
                 raise
+            if show_traceback():
+                traceback.print_exc()
             print(f"error: {escape_terminal(error, keep_newlines=True)}", file=sys.stderr)
             raise SystemExit(2) from None
 

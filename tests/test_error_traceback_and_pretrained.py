@@ -59,3 +59,14 @@ def test_from_pretrained_does_not_change_the_callers_config(tmp_path) -> None:
     assert runner.config.pretrained == str(run_dir(tmp_path / "a") / "model.pth")
     assert config.to_plain() == before
     runner.close()
+
+
+def test_a_config_error_on_the_command_line_shows_its_traceback_with_perdure_traceback(monkeypatch, capsys) -> None:
+    from perdure import RunnerConfig
+
+    monkeypatch.setenv("PERDURE_TRACEBACK", "1")
+    with pytest.raises(SystemExit):
+        RunnerConfig().parse(["--steps", "5", "--precision", "fp8"])
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert err.endswith("error: config key 'precision' = 'fp8': use one of: fp32, bf16, fp16\n")
