@@ -29,7 +29,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from perdure.workspace.sidecar import heartbeat_step
 
@@ -64,7 +66,7 @@ def group_gpus(replica: int, nproc: int, gpus: int, visible: str | None) -> str 
     return ",".join(names[replica * nproc : (replica + 1) * nproc])
 
 
-def start_group(replica: int, root: Path, lighthouse: str, nproc: int, attempt: str) -> subprocess.Popen:
+def start_group(replica: int, root: Path, lighthouse: str, nproc: int, attempt: str) -> subprocess.Popen[bytes]:
     log = root.parent / f"group{replica}-{attempt}.log"
     env = {"MLP_STEP_DELAY": "0.05", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
     gpus = group_gpus(replica, nproc, visible_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -85,7 +87,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def kill_group(process: subprocess.Popen) -> None:
+def kill_group(process: subprocess.Popen[bytes]) -> None:
     """SIGKILL a group's launcher and every process below it (torchrun starts its ranks in sessions of their own)."""
     pids, index = [process.pid], 0
     while index < len(pids):  # the process tree, from /proc (Linux)
@@ -107,16 +109,21 @@ def run_step(root: Path) -> int:
     return 0
 
 
-def ft_record(root: Path, replica: int) -> dict:
+def ft_record(root: Path, replica: int) -> dict[str, Any]:
     for sidecar in root.glob("*/*/sidecar.json"):
         try:
-            return json.loads(sidecar.read_text()).get("ft", {}).get("replicas", {}).get(str(replica), {})
+            record: dict[str, Any] = (
+                json.loads(sidecar.read_text()).get("ft", {}).get("replicas", {}).get(str(replica), {})
+            )
+            return record
         except ValueError:
             return {}  # being replaced: read it again
     return {}
 
 
-def wait_for(condition, what: str, processes: list[subprocess.Popen], timeout: float = 300) -> None:
+def wait_for(
+    condition: Callable[[], object], what: str, processes: list[subprocess.Popen[bytes]], timeout: float = 300
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if any(process.poll() is not None for process in processes) or time.monotonic() > deadline:
@@ -138,10 +145,11 @@ def main() -> int:
                           "--heartbeat-timeout-ms", "2000", "--join-timeout-ms", "500"]  # fmt: skip
     say(f"  $ perdure {' '.join(lighthouse_command[3:])}")
     lighthouse = subprocess.Popen(lighthouse_command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert lighthouse.stdout is not None  # started with stdout=PIPE
     line = lighthouse.stdout.readline().strip()
     say(f"  {line}")
     address = line.split()[3]
-    groups: dict[int, subprocess.Popen] = {}
+    groups: dict[int, subprocess.Popen[bytes]] = {}
     try:
         say("\n[2/5] replica groups 0 and 1 of one job (one run directory)")
         if 0 < (gpus := visible_gpus()) < 2 * args.nproc:
@@ -164,7 +172,7 @@ def main() -> int:
         say("\n[4/5] the same command restarts group 1: it heals from group 0")
         groups[1] = start_group(1, root, address, args.nproc, "restart")
 
-        def healed() -> list[dict]:
+        def healed() -> list[dict[str, Any]]:
             return [h for h in ft_record(root, 1).get("heals", []) if h["to_step"] > alone["step"]]
 
         wait_for(healed, "group 1 to heal", list(groups.values()))
