@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from perdure.plain import flatten
+
 # Names other trainers (nanoGPT, Hugging Face Trainer, Lightning, TorchTitan) use, and the key perdure has for each.
 # Only suggested in an error (never applied silently): a user's config may define any of these names itself.
 ALIASES: dict[str, str] = {
@@ -259,7 +261,6 @@ def render_help(flat: Mapping[str, Any], helps: Mapping[str, str], sources: Mapp
 def markdown_reference(config_class: type) -> str:
     """docs/config.md: every key of `config_class` with its default and help, as a table."""
     config = config_class()
-    from perdure.config import flatten  # here: config imports this module
 
     rows = help_rows(flatten(config.to_plain()), key_help(config_class))
     lines = [

@@ -24,8 +24,9 @@ KNOWN_CYCLES: list[frozenset[str]] = [
             "perdure.checkpoints.select",
         }
     ),
-    # the config imports the DeepSpeed section's checks, which import the config's helpers back
-    frozenset({"perdure.config", "perdure.config_help", "perdure.runners.deepspeed_config"}),
+    # the config imports the DeepSpeed section's checks, which read their file with the config's reader
+    # (config <-> config_help is gone: the plain-dict helpers moved to the leaf perdure/plain.py)
+    frozenset({"perdure.config", "perdure.runners.deepspeed_config"}),
     # the logger factory in loggers/base.py imports the loggers that subclass its base
     frozenset(
         {
