@@ -38,7 +38,7 @@ from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend
 from perdure.runners.compile import strip_compile_prefix, uncompiled
 from perdure.runners.deepspeed_config import engine_config
-from perdure.runners.ema import ExponentialMovingAverage
+from perdure.runners.ema import ExponentialMovingAverage, average_into
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
 
 
@@ -238,16 +238,13 @@ class _PartitionedEMA(ExponentialMovingAverage):
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
-        averaged, targets = [], []
-        for name, tensor in _sources(model).items():
-            shadow, value = self.shadow[name], (tensor.ds_tensor if name in self._partitioned else tensor).detach()
-            if shadow.is_floating_point():
-                averaged.append(shadow)
-                targets.append(value.to(shadow.dtype))
-            else:
-                shadow.copy_(value)
-        if averaged:
-            torch._foreach_lerp_(averaged, targets, 1.0 - self.decay)
+        average_into(
+            (
+                (self.shadow[name], (tensor.ds_tensor if name in self._partitioned else tensor).detach())
+                for name, tensor in _sources(model).items()
+            ),
+            self.decay,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "shadow": self.weights()}

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from perdure.runners.compile import plain_state_dict
+
+
+def average_into(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], decay: float) -> None:
+    """For each (shadow, value): `shadow = decay * shadow + (1 - decay) * value` in one fused lerp over the
+    floating-point shadows; any other shadow (an integer buffer) takes the value."""
+    averaged, targets = [], []
+    for shadow, value in pairs:
+        if shadow.is_floating_point():
+            averaged.append(shadow)
+            targets.append(value.to(shadow.dtype))
+        else:
+            shadow.copy_(value)
+    if averaged:
+        torch._foreach_lerp_(averaged, targets, 1.0 - decay)
 
 
 class ExponentialMovingAverage:
@@ -29,16 +44,7 @@ class ExponentialMovingAverage:
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         current = plain_state_dict(model)
-        averaged, targets = [], []
-        for name, shadow in self.shadow.items():
-            value = current[name].detach()
-            if shadow.is_floating_point():
-                averaged.append(shadow)
-                targets.append(value.to(shadow.dtype))
-            else:
-                shadow.copy_(value)
-        if averaged:
-            torch._foreach_lerp_(averaged, targets, 1.0 - self.decay)
+        average_into(((shadow, current[name].detach()) for name, shadow in self.shadow.items()), self.decay)
 
     def to(self, device: torch.device) -> ExponentialMovingAverage:
         """Move the shadows to `device` (the model's), where `update` averages them."""
