@@ -1,5 +1,7 @@
 """perdure: a PyTorch trainer whose runs survive anything and resume bit for bit."""
 
+from typing import TYPE_CHECKING
+
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy
 from perdure.checkpoints.file import FileCheckpointManager
 from perdure.checkpoints.hf_adapter import StateDictAdapter
@@ -30,6 +32,9 @@ from perdure.runners.state import RunnerState
 from perdure.runners.torch_runner import TorchRunner
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # a type checker sees the class; at run time it is imported on first use (below)
+    from perdure.runners.parallel_runner import ParallelRunner
 
 
 def __getattr__(name: str) -> type:
