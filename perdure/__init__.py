@@ -24,6 +24,7 @@ from perdure.errors import (
     WorkspaceError,
 )
 from perdure.ft.runner import FaultTolerant
+from perdure.loggers.base import MetricLogger
 from perdure.runners.base import BaseRunner
 from perdure.runners.compile import plain_state_dict, strip_compile_prefix
 from perdure.runners.deepspeed_runner import DeepSpeedRunner
@@ -58,6 +59,7 @@ __all__ = [
     "DeepSpeedRunner",
     "FaultTolerant",
     "FileCheckpointManager",
+    "MetricLogger",
     "NodeDataset",
     "ParallelRunner",
     "PerdureError",

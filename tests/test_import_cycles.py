@@ -27,16 +27,6 @@ KNOWN_CYCLES: list[frozenset[str]] = [
     # the config imports the DeepSpeed section's checks, which read their file with the config's reader
     # (config <-> config_help is gone: the plain-dict helpers moved to the leaf perdure/plain.py)
     frozenset({"perdure.config", "perdure.runners.deepspeed_config"}),
-    # the logger factory in loggers/base.py imports the loggers that subclass its base
-    frozenset(
-        {
-            "perdure.loggers.base",
-            "perdure.loggers.media",
-            "perdure.loggers.metrics_csv",
-            "perdure.loggers.tensorboard_logger",
-            "perdure.loggers.wandb_logger",
-        }
-    ),
     # the runner's lifecycle and the stacks it picks (mixins -> components is still to do)
     frozenset(
         {

@@ -14,8 +14,9 @@ import torch
 
 from perdure.config import RunnerConfig
 from perdure.errors import ConfigError
-from perdure.loggers import base as loggers_base
-from perdure.loggers.base import LoggerGroup, build_loggers, to_image_array
+from perdure.loggers import factory as loggers_factory
+from perdure.loggers.base import LoggerGroup, to_image_array
+from perdure.loggers.factory import build_loggers
 from perdure.loggers.images import PNG_SIGNATURE, ImageFormatError, encode_png
 from perdure.loggers.media import MediaLogger, read_media_index, safe_tag
 from perdure.loggers.metrics_csv import HEADER, MetricsCSV, read_metrics_csv
@@ -358,9 +359,9 @@ def test_build_loggers_follows_the_config(monkeypatch):
     config.wandb.mode = "disabled"
     assert "WandbLogger" not in [type(logger).__name__ for logger in build_loggers(config)]
     config.wandb.mode = "offline"
-    real_find_spec = loggers_base.importlib.util.find_spec
+    real_find_spec = loggers_factory.importlib.util.find_spec
     monkeypatch.setattr(
-        loggers_base.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name)
+        loggers_factory.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name)
     )
     with pytest.raises(ConfigError, match="wandb.enabled.*pip install wandb.*--wandb.enabled false"):
         build_loggers(config)

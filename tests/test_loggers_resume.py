@@ -30,7 +30,8 @@ ATTEMPT = textwrap.dedent(
     import numpy as np
 
     from perdure.config import RunnerConfig
-    from perdure.loggers.base import LoggerGroup, build_loggers
+    from perdure.loggers.base import LoggerGroup
+    from perdure.loggers.factory import build_loggers
     from perdure.runners.state import RunnerState
 
     run_dir, kill_at, end = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

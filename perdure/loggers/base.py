@@ -1,8 +1,7 @@
-"""The metric logger contract, the group the runner holds, and the factory that reads the config."""
+"""The metric logger contract and the group the runner holds (the loggers a config asks for: `factory.py`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -11,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from perdure.errors import ConfigError
 from perdure.loggers.images import to_image_array
 
 if TYPE_CHECKING:
@@ -20,7 +18,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("perdure")
 
-__all__ = ["LoggerGroup", "MetricLogger", "build_loggers", "metric_tag", "to_image_array"]
+__all__ = ["LoggerGroup", "MetricLogger", "metric_tag", "to_image_array"]
 
 
 def metric_tag(split: str, name: str) -> str:
@@ -120,32 +118,3 @@ class LoggerGroup:
 
     def __len__(self) -> int:
         return len(self.loggers)
-
-
-def build_loggers(config: RunnerConfig) -> list[MetricLogger]:
-    """The loggers `config` asks for: metrics.csv and the media writer always, TensorBoard if
-    `tensorboard.enabled`, W&B if `wandb.enabled` (and `wandb.mode` is not `disabled`; `wandb.rewind`, when the
-    config has that key, turns on W&B's run rewind).
-
-    Raises `ConfigError` when an enabled backend is not installed, before anything is written.
-    """
-    from perdure.loggers.media import MediaLogger
-    from perdure.loggers.metrics_csv import MetricsCSV
-
-    loggers: list[MetricLogger] = [MetricsCSV(), MediaLogger()]
-    if config.lookup("tensorboard.enabled", False):
-        _require("tensorboard", "tensorboard.enabled", "pip install tensorboard")
-        from perdure.loggers.tensorboard_logger import TensorBoardLogger
-
-        loggers.append(TensorBoardLogger())
-    if config.lookup("wandb.enabled", False) and config.lookup("wandb.mode", "online") != "disabled":
-        _require("wandb", "wandb.enabled", "pip install wandb")
-        from perdure.loggers.wandb_logger import WandbLogger
-
-        loggers.append(WandbLogger(rewind=bool(config.lookup("wandb.rewind", False))))
-    return loggers
-
-
-def _require(module: str, key: str, install: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(key, True, f"the '{module}' package is not installed; {install}, or set --{key} false")

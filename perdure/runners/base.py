@@ -154,7 +154,8 @@ class BaseRunner(
         if self.restore_source.kind == "pretrained":
             self._pretrained_weights = read_weights(self.restore_source.path)
         self.hang_watch = HangWatch.for_runner(self)  # dist.step_timeout: started with the attempt (attempt.py)
-        self.telemetry = RunTelemetry(self.run_dir, config, self.state, active=self.is_main_process)
+        loggers = self.metric_loggers() if self.is_main_process else []
+        self.telemetry = RunTelemetry(self.run_dir, config, self.state, loggers, active=self.is_main_process)
         self._saved_position: tuple[int, int, int] | None = None
         self._topology_change: dict[str, Any] | None = None  # set by a restore on another world size
         self._losses: list[torch.Tensor] = []

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from perdure.data.loader import ResumableLoader
+from perdure.loggers.base import MetricLogger
+from perdure.loggers.factory import build_loggers
 from perdure.runners.losses import mean_loss
 from perdure.runners.peak_flops import device_peak_flops
 from perdure.runners.throughput import model_device
@@ -66,6 +68,17 @@ class MetricsMixin:
         """Report metrics of `split` at `step` (default: the current global step) to the console, the log file,
         metrics.csv, TensorBoard / W&B and the sidecar. Only the main process reports; others return."""
         self.telemetry.log_metrics(split, metrics, self.state.global_step if step is None else step)
+
+    def metric_loggers(self) -> list[MetricLogger]:
+        """Where this run's metrics and images go besides the console and the log file. Default: `metrics.csv`, the
+        media writer, and TensorBoard / W&B when the config enables them. Override to add a destination (MLflow, Aim,
+        a database): subclass `perdure.MetricLogger` and return `[*super().metric_loggers(), MyLogger()]`.
+
+        Called once, on the main process only, inside `BaseRunner.__init__` once the run directory is decided: before
+        the rest of your `__init__` runs, so it may read `self.config`, not attributes your `__init__` sets. It must
+        not write anything: a logger creates its files in `open()`, after the restore.
+        """
+        return build_loggers(self.config)
 
     def log_image(self, tag: str, image: Any, step: int | None = None) -> None:
         """Save an image (HW, HWC or CHW; float in [0, 1] or uint8) under `media/<tag>/` and forward it to

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.config import RunnerConfig
-from perdure.loggers.base import LoggerGroup, build_loggers
+from perdure.loggers.base import LoggerGroup, MetricLogger
 from perdure.loggers.console import set_progress_bar
 from perdure.loggers.progress import ProgressBar
 from perdure.runners.goodput import GoodputClock
@@ -38,12 +38,14 @@ logger = logging.getLogger("perdure")
 class RunTelemetry:
     """Created by the runner once the run dir exists and is locked; `start` after the restore, `finish` at the end."""
 
-    def __init__(self, run_dir: RunDir, config: RunnerConfig, state: RunnerState, *, active: bool) -> None:
+    def __init__(
+        self, run_dir: RunDir, config: RunnerConfig, state: RunnerState, loggers: list[MetricLogger], *, active: bool
+    ) -> None:
         self.run_dir = run_dir
         self.config = config
         self.state = state
         self.active = active
-        self.loggers = LoggerGroup(build_loggers(config) if active else [])
+        self.loggers = LoggerGroup(loggers if active else [])
         self.sidecar: Sidecar | None = None
         self.progress: ProgressBar | None = None
         self.heartbeat: Heartbeat | None = None
