@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import secrets
 import stat
 from datetime import datetime, timezone
 from pathlib import Path
@@ -299,30 +298,6 @@ def create_new(path: str | os.PathLike, mode: int = 0o644) -> int:
     """A write descriptor of a file created now: `O_CREAT | O_EXCL | O_NOFOLLOW`, so an existing file or a symlink
     planted under that name is never written through (FileExistsError)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-
-
-def temporary_name(path: str | os.PathLike) -> Path:
-    """An unpredictable hidden sibling of `path` to write before an atomic rename: `.<name>.tmp-<pid>-<random>`."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def replace_with_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = False) -> None:
-    """Atomically replace `path` with `data` through a new temporary file; a symlink at `path` is replaced itself,
-    never written through."""
-    path = Path(path)
-    temporary = temporary_name(path)
-    fd = create_new(temporary)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            if durable:
-                os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def open_writable(path: str | os.PathLike, *, append: bool = False, mode: int = 0o644) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import perdure.atomic
-from perdure.atomic import atomic_write, atomic_write_text
+from perdure.atomic import atomic_write, atomic_write_by_name, atomic_write_text
 from perdure.loggers.files import StepLines
 
 
@@ -86,6 +86,55 @@ def test_a_failed_rewrite_of_a_metrics_file_leaves_no_temporary(tmp_path: Path, 
     with pytest.raises(PermissionError):
         metrics.open(resumed_step=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
+
+
+def test_a_library_writing_by_name_that_fails_mid_way_leaves_no_temporary(tmp_path: Path) -> None:
+    # safetensors' save_file and pyarrow write to a file name (runners/export.py, workspace/registry.py)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"old")
+    seen: list[Path] = []
+
+    def write_half_then_fail(temporary: Path) -> None:
+        seen.append(temporary)
+        temporary.write_bytes(b"half of the new content")
+        raise RuntimeError("the library failed mid-way")
+
+    with pytest.raises(RuntimeError, match="mid-way"):
+        atomic_write_by_name(path, write_half_then_fail)
+    assert seen and seen[0].parent == tmp_path and seen[0].name.startswith(".model.safetensors.tmp-")
+    assert path.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    atomic_write_by_name(path, lambda temporary: temporary.write_bytes(b"new"))
+    assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_a_non_durable_write_that_fails_leaves_no_temporary(tmp_path: Path) -> None:
+    # sidecar.json between checkpoints and media PNGs: replaced atomically, not fsynced
+    path = tmp_path / "sidecar.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="mid-way"):
+        atomic_write(path, write_half_then_fail, durable=False)
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["sidecar.json"]
+
+
+def test_the_weights_export_leaves_no_temporary_when_the_write_fails(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
+    from perdure.runners.export import export_weights
+
+    path = tmp_path / "model.pth"
+    export_weights({"w": torch.ones(2)}, path)
+
+    def full_disk(obj, file) -> None:
+        file.write(b"part of the weights")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left") as failure:
+        export_weights({"w": torch.zeros(2)}, path)
+    assert failure.value.filename == str(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pth"]
+    assert torch.load(path, weights_only=True)["w"].tolist() == [1.0, 1.0]
 
 
 def test_the_atomic_module_is_a_leaf() -> None:

@@ -23,8 +23,8 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from perdure.atomic import RecordingWriter, fsync_dir, naming_os_error
 from perdure.atomic import atomic_write_text as atomic_write_text  # re-exported: the one atomic write
-from perdure.atomic import fsync_dir
 from perdure.errors import CheckpointCorruptError, CheckpointError
 from perdure.safe_io import (
     UnsafeFileError,
@@ -57,47 +57,20 @@ class FileRecord:
     digest: str
 
 
-class HashingWriter:
+class HashingWriter(RecordingWriter):
     """Binary file wrapper that hashes and counts every byte on its way to disk (works with `torch.save`)."""
 
     def __init__(self, file: BinaryIO):
-        self._file = file
+        super().__init__(file)
         self._hasher = xxhash.xxh3_128()
-        self._size = 0
-        # The first OSError the file raised: a library writing through this object may report it as something else
-        # (torch's zip writer turns ENOSPC into "RuntimeError: ... unexpected pos"), so `write_file` restores it.
-        self.error: OSError | None = None
 
-    def write(self, data: Any) -> int:
-        """Forward `data` (any bytes-like object) to the file, hashing exactly the bytes the file accepted."""
-        view = memoryview(data).cast("B")
-        try:
-            written = self._file.write(view)
-        except OSError as error:
-            self.error = self.error or error
-            raise
-        written = len(view) if written is None else written
-        self._hasher.update(view[:written])
-        self._size += written
-        return written
-
-    def flush(self) -> None:
-        """Flush the wrapped file's buffer."""
-        self._file.flush()
-
-    def tell(self) -> int:
-        """Bytes written so far (the stream is append-only; seeking would invalidate the digest)."""
-        return self._size
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
+    def accepted(self, data: memoryview) -> None:
+        """Hash exactly the bytes the file accepted."""
+        self._hasher.update(data)
 
     def record(self) -> FileRecord:
         """Size and digest of everything written so far."""
-        return FileRecord(self._size, self._hasher.hexdigest())
+        return FileRecord(self.tell(), self._hasher.hexdigest())
 
 
 def checkpoint_name(*, step: int | None = None, epoch: int | None = None) -> str:
@@ -127,9 +100,9 @@ def write_file(path: Path, write: Callable[[BinaryIO], None]) -> FileRecord:
             with contextlib.suppress(OSError):
                 file.close()  # a full disk fails the close's flush too
             path.unlink(missing_ok=True)
-            cause = writer.error if writer.error is not None else error
-            if isinstance(cause, OSError) and (cause is not error or not cause.filename):
-                raise OSError(cause.errno, cause.strerror, str(path)) from error
+            named = naming_os_error(error, writer.error, path)
+            if named is not None:
+                raise named from error
             raise
     return writer.record()
 

@@ -9,14 +9,13 @@ rank that dies makes rank 0's save fail after the timeout instead of hanging it.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import time
 from pathlib import Path
 
-from perdure.checkpoints.commit import FileRecord, fsync_dir
+from perdure.atomic import atomic_write
+from perdure.checkpoints.commit import FileRecord
 from perdure.errors import CheckpointSaveError
-from perdure.safe_io import create_new, read_json
+from perdure.safe_io import read_json
 
 MARKER_PREFIX = ".records-rank"
 
@@ -32,13 +31,8 @@ def publish_records(staging: Path, rank: int, files: dict[str, FileRecord] | Non
         "error": error,
         "files": {name: {"size": r.size, "digest": r.digest} for name, r in (files or {}).items()},
     }
-    temporary = staging / f".{MARKER_PREFIX}{rank:05d}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    with os.fdopen(create_new(temporary), "w") as handle:
-        json.dump(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, _marker(staging, rank))
-    fsync_dir(staging)
+    data = json.dumps(payload).encode("utf-8")
+    atomic_write(_marker(staging, rank), lambda file: file.write(data))
 
 
 def gather_records(staging: Path, world_size: int, timeout_s: float, poll_s: float = 0.01) -> dict[str, FileRecord]:

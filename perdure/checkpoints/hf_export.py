@@ -26,9 +26,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from perdure.checkpoints.commit import fsync_dir, make_staging_dir
+from perdure.atomic import fsync_dir, temporary_sibling
+from perdure.checkpoints.commit import make_staging_dir
 from perdure.errors import ConfigError, PerdureError
-from perdure.safe_io import temporary_name
 
 MAX_SHARD_BYTES = 5 * 10**9  # "5GB": transformers 4's `save_pretrained` default, the Hub's usual shard size
 WEIGHTS_NAME = "model.safetensors"
@@ -227,7 +227,7 @@ def publish(staging: Path, target: Path) -> Path:
     fsync_dir(staging)
     old = None
     if os.path.lexists(target):
-        old = temporary_name(target)
+        old = temporary_sibling(target)
         os.rename(target, old)
     os.rename(staging, target)
     fsync_dir(target.parent)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from perdure.atomic import atomic_write
 from perdure.loggers.base import MetricLogger
 from perdure.loggers.files import MAX_LINES_BYTES, StepLines
 from perdure.loggers.images import encode_png, to_image_array
@@ -19,7 +20,6 @@ from perdure.safe_io import (
     is_symlink,
     loads_json,
     read_regular,
-    replace_with_bytes,
 )
 
 if TYPE_CHECKING:
@@ -69,7 +69,8 @@ class MediaLogger(MetricLogger):
         path = self._run_dir / relative
         ensure_dir(self._run_dir / MEDIA_DIR)
         ensure_dir(path.parent)
-        replace_with_bytes(path, encode_png(array))
+        png = encode_png(array)
+        atomic_write(path, lambda file: file.write(png), durable=False)  # a picture: not worth an fsync per image
         record = {"step": int(step), "tag": tag, "index": int(index), "path": relative.as_posix()}
         record["shape"] = list(array.shape)
         self._index.write(json.dumps(record))

@@ -39,6 +39,7 @@ from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
 
+from perdure.atomic import temporary_sibling
 from perdure.resilience.rank_heartbeat import (
     EXEMPT_PHASES,
     HeartbeatWriter,
@@ -47,7 +48,7 @@ from perdure.resilience.rank_heartbeat import (
     read_beat,
 )
 from perdure.runners.state import RunnerState
-from perdure.safe_io import create_new, ensure_dir, read_json, temporary_name
+from perdure.safe_io import create_new, ensure_dir, read_json
 
 HUNG_EXIT_CODE = 92  # a rank of the job hung: requeue (on other nodes, if it was one); 93 is "do not requeue"
 HANGS_DIR = "hangs"
@@ -372,7 +373,7 @@ class HangWatch:
         ensure_dir(self.hang_dir.parent)  # each level checked: a symlinked `hangs` is refused, never followed
         ensure_dir(self.hang_dir)
         target = self.hang_dir / VERDICT_NAME
-        temporary = temporary_name(target)
+        temporary = temporary_sibling(target)
         with os.fdopen(create_new(temporary), "w") as file:
             json.dump(asdict(verdict), file)
         try:

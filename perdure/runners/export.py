@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from perdure.checkpoints.commit import fsync_dir, write_file
+from perdure.atomic import atomic_write, atomic_write_by_name
 from perdure.checkpoints.weights_read import read_weights
 from perdure.errors import CheckpointError, ConfigError, PerdureError
 from perdure.runners.compile import strip_compile_prefix
@@ -28,11 +27,7 @@ def export_weights(state_dict: dict[str, torch.Tensor], path: Path, dtype: str |
         name: (tensor.detach().to("cpu", target) if target and tensor.is_floating_point() else tensor.detach().cpu())
         for name, tensor in strip_compile_prefix(state_dict).items()
     }
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.unlink(missing_ok=True)
-    write_file(temporary, lambda f: torch.save(weights, f))
-    os.replace(temporary, path)
-    fsync_dir(path.parent)
+    atomic_write(path, lambda file: torch.save(weights, file))
     return path
 
 
@@ -63,17 +58,5 @@ def save_safetensors(weights: dict[str, Any], path: Path, dtype: str | None, met
         tensor = tensor.clone() if storage is not None and storage in seen else tensor.contiguous()
         seen.add(storage)
         tensors[name] = tensor
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(temporary), metadata=metadata)
-        fd = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    atomic_write_by_name(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
     return path

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from perdure.checkpoints.commit import atomic_write_text
+from perdure.atomic import atomic_write_text
 from perdure.sweep.matrix import SweepError
 from perdure.sweep.state import read_regular_file
 from perdure.workspace.sidecar import utc_stamp

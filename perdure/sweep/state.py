@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from perdure.checkpoints.commit import atomic_write_text
+from perdure.atomic import atomic_write_text
 from perdure.resilience.crash_loop import STUCK_EXIT
 from perdure.sweep.matrix import JOB_ID_PATTERN, Matrix, Scalar, SweepError
 from perdure.workspace.sidecar import utc_stamp

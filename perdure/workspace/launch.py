@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from perdure.checkpoints.commit import atomic_write_text
+from perdure.atomic import atomic_write_text
 
 LAUNCH_INDEX_DIR = ".launches"
 LAUNCH_ENV, RESTART_ENV = "PERDURE_LAUNCH_ID", "PERDURE_RESTART_COUNT"

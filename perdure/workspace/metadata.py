@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from perdure.checkpoints.commit import atomic_write_text
+from perdure.atomic import atomic_write_text
 from perdure.config import RunnerConfig, flatten
 from perdure.errors import CodeIdentityError, PerdureError
 from perdure.safe_io import ensure_dir

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perdure.checkpoints.commit import atomic_write_text
+from perdure.atomic import atomic_write_by_name, atomic_write_text
 from perdure.config import flatten
 from perdure.errors import PerdureError
 from perdure.safe_io import UnsafeFileError, csv_text, is_regular_or_missing, kind_of, loads_json, move_aside
@@ -533,9 +533,5 @@ def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
         elif kinds == {int, float}:
             values = [None if value is None else float(value) for value in values]
         data[column] = values
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        pq.write_table(pa.table(data), tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    table = pa.table(data)
+    atomic_write_by_name(path, lambda temporary: pq.write_table(table, temporary))

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from perdure.checkpoints.commit import atomic_write_text
+from perdure.atomic import atomic_write
 from perdure.errors import PerdureError
 from perdure.resilience.rank_heartbeat import last_beat as ranks_last_beat
 from perdure.resilience.rank_heartbeat import reached_step as ranks_reached_step
@@ -32,7 +32,6 @@ from perdure.safe_io import (
     open_writable,
     read_json,
     read_regular,
-    replace_with_bytes,
     safe_name,
 )
 from perdure.workspace.goodput import attempt_goodput, clock_is_valid, is_goodput, run_goodput
@@ -328,10 +327,8 @@ class Sidecar:
             self._data["goodput"] = run_goodput(self._data["attempts"], lambda stamp: parse_stamp(str(stamp)))
             text = _dumps(self._data, indent=2) + "\n"
             ensure_dir(self.run_dir)
-            if durable:
-                atomic_write_text(self.path, text)
-            else:
-                replace_with_bytes(self.path, text.encode("utf-8"))
+            data = text.encode("utf-8")
+            atomic_write(self.path, lambda file: file.write(data), durable=durable)
         touch_heartbeat(self.run_dir)
 
 
