@@ -98,8 +98,9 @@ class FaultTolerant:
         self._replica_saved: tuple[int, int, int] | None = None
         self._uncommitted_in_row = 0
         self.checkpoints.identity["ft_replica"] = self.replica_id  # which group's rank-local files a checkpoint has
+        loggers = self.telemetry.loggers.loggers  # the base's, from `metric_loggers()`, not opened yet
         self.telemetry = ReplicaTelemetry(
-            self.run_dir, config, self.state, active=self.is_main_process, replica_id=self.replica_id
+            self.run_dir, config, self.state, loggers, active=self.is_main_process, replica_id=self.replica_id
         )
         self.replica_states = ReplicaStates(
             self.run_dir.path,

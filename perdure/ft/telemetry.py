@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.config import RunnerConfig
+from perdure.loggers.base import MetricLogger
 from perdure.resilience.rank_heartbeat import reached_step as ranks_reached_step
 from perdure.runners.state import RunnerState
 from perdure.runners.telemetry import RunTelemetry
@@ -137,9 +138,16 @@ class ReplicaTelemetry(RunTelemetry):
     """RunTelemetry of one replica group: a shared sidecar, and metric loggers open only while the group reports."""
 
     def __init__(
-        self, run_dir: RunDir, config: RunnerConfig, state: RunnerState, *, active: bool, replica_id: int
+        self,
+        run_dir: RunDir,
+        config: RunnerConfig,
+        state: RunnerState,
+        loggers: list[MetricLogger],
+        *,
+        active: bool,
+        replica_id: int,
     ) -> None:
-        super().__init__(run_dir, config, state, active=active)
+        super().__init__(run_dir, config, state, loggers, active=active)
         self.replica_id = replica_id
         self.reporting = False
         self._loggers_open = False
