@@ -21,8 +21,6 @@ import yaml
 from typing_extensions import Self
 
 from perdure import config_help, config_text
-from perdure.checkpoints.auto_interval import check_interval
-from perdure.checkpoints.mirror import check_mirror_url
 from perdure.config_checks import (
     check_bool,
     check_choice,
@@ -32,10 +30,10 @@ from perdure.config_checks import (
     check_path,
     check_path_component,
     check_root,
+    section_checks,
 )
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError, show_traceback
-from perdure.ft.config import check_ft
 from perdure.plain import flatten as flatten  # re-exported: perdure.config.flatten is public
 from perdure.plain import plain_dict as plain_dict
 from perdure.safe_io import (
@@ -434,11 +432,9 @@ class RunnerConfig(chanfig.Config):
         for key in ("checkpoint", "pretrained"):
             check_path(key, get(key))
         check_number("max_grad_norm", get("max_grad_norm"), "a number >= 0 (0: no clipping)", lambda x: x >= 0, True)
-        check_interval(get("ckpt.interval"), get("ckpt.mtbf"), self.training_mode())
         check_number("ckpt.hang_warning_s", get("ckpt.hang_warning_s"), "seconds >= 0 (0: never)", lambda x: x >= 0)
         check_number("resilience.grace_s", get("resilience.grace_s"), "None or seconds > 0", lambda x: x > 0, True)
         check_number("ckpt.mirror_drain_s", get("ckpt.mirror_drain_s"), "seconds >= 0", lambda x: x >= 0)
-        check_mirror_url("ckpt.mirror", get("ckpt.mirror"))
         check_number("perf.peak_flops", get("perf.peak_flops"), "None or FLOP/s > 0", lambda x: x > 0, True)
         backend = get("compile.backend")
         if not isinstance(backend, str) or not backend:
@@ -469,8 +465,6 @@ class RunnerConfig(chanfig.Config):
         if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
             raise ConfigError("workspace.tags", tags, "use a list of strings, e.g. --workspace.tags a,b")
         self._check_loaders(c.get("dataloader", {}))
-        self._check_stack_keys(get("stack"), get("ckpt.backend"))
-        check_ft(get)
         formats = get("ckpt.export_format")
         formats = [formats] if isinstance(formats, str) else formats
         if not isinstance(formats, list) or not formats or not all(f in EXPORT_FORMATS for f in formats):
@@ -479,7 +473,8 @@ class RunnerConfig(chanfig.Config):
                 get("ckpt.export_format"),
                 "use pth, safetensors, hf or a list of them: [pth, hf]",
             )
-        self._check_parallel(c.get("parallel", {}))
+        for check in section_checks().values():  # each stack's, TorchFT's, the mirror's (config_checks.py)
+            check(self, get)
         self.check_user_keys()
         return self
 
@@ -489,30 +484,6 @@ class RunnerConfig(chanfig.Config):
         Called at the end of `check()`, which `parse()` runs, and again when a runner is built: always before anything
         is written, so a bad value never leaves a run directory behind. Must not change the config. Default: nothing.
         """
-
-    def _check_stack_keys(self, stack: str, backend: str) -> None:
-        if stack in ("deepspeed", "ds"):
-            from perdure.distributed.process_group import launched_world_size
-            from perdure.runners.deepspeed_config import check_engine_config
-
-            check_engine_config(self, launched_world_size())
-        elif backend == "deepspeed":
-            raise ConfigError("ckpt.backend", backend, "the DeepSpeed engine's checkpoints need stack=deepspeed; use "
-                              "auto, file or dcp")  # fmt: skip
-
-    def _check_parallel(self, parallel: Mapping[str, Any]) -> None:
-        """`parallel.*` as far as it can be checked without the world size (`Topology.resolve` does the rest)."""
-        from perdure.distributed.topology import check_axes
-
-        check_axes(parallel.get("axes", {}))
-        pipeline = parallel.get("pipeline", {})
-        schedule, virtual = pipeline.get("schedule"), pipeline.get("virtual_stages")
-        if schedule == "Interleaved1F1B" and virtual < 2:
-            fix = "Interleaved1F1B runs 2 or more stages per rank; use 2 or more, or the 1F1B schedule"
-            raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
-        if schedule != "Interleaved1F1B" and virtual != 1:
-            fix = f"{schedule} runs one stage per rank; use 1, or --parallel.pipeline.schedule Interleaved1F1B"
-            raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
 
     def _check_loaders(self, loader: Mapping[str, Any]) -> None:
         check_loader("dataloader", loader, required=True)

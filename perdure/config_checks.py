@@ -1,6 +1,8 @@
 """Config validators: each checks one value of one key and raises a `ConfigError` naming the key, the value and the fix.
 
-Pure functions used by `RunnerConfig.check` (and `check_path_component` by the workspace, for names read back).
+Pure functions used by `RunnerConfig.check` (and `check_path_component` by the workspace, for names read back), and
+the registry of section checks: a layer that owns a config section (a stack, TorchFT, the checkpoint mirror) registers
+its check here, so `perdure/config.py` imports none of them.
 """
 
 from __future__ import annotations
@@ -8,12 +10,33 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError
+
+# (the config, `get(dotted key)` -> its value or None) -> None; raises ConfigError
+SectionCheck = Callable[[Any, Callable[[str], Any]], None]
+_SECTION_CHECKS: dict[str, SectionCheck] = {}
+
+
+def register_section_check(section: str, check: SectionCheck) -> None:
+    """Have `RunnerConfig.check()` run `check(config, get)` for `section` (a name for messages and tests: `deepspeed`,
+    `ft`, ...), after perdure's own keys and before `check_user_keys`, sections in the order of their names (whatever
+    order their modules were imported in).
+
+    Called once, at import, by the module that owns the section; perdure's own are imported with the package
+    (`perdure/sections.py`). The check may read the config, never change it, and raises `ConfigError(key, value, fix)`.
+    Registering a section again replaces its check.
+    """
+    _SECTION_CHECKS[section] = check
+
+
+def section_checks() -> dict[str, SectionCheck]:
+    """The registered section checks, by section, in the order they run."""
+    return dict(sorted(_SECTION_CHECKS.items()))
 
 
 def check_int(key: str, value: Any, minimum: int | None, optional: bool = False) -> None:

@@ -24,9 +24,6 @@ KNOWN_CYCLES: list[frozenset[str]] = [
             "perdure.checkpoints.select",
         }
     ),
-    # the config imports the DeepSpeed section's checks, which read their file with the config's reader
-    # (config <-> config_help is gone: the plain-dict helpers moved to the leaf perdure/plain.py)
-    frozenset({"perdure.config", "perdure.runners.deepspeed_config"}),
     # the runner's lifecycle and the stacks it picks (mixins -> components is still to do)
     frozenset(
         {

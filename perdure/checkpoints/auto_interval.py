@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from perdure.config_checks import register_section_check
 from perdure.errors import ConfigError
 
 AUTO = "auto"
@@ -85,3 +86,8 @@ def check_interval(interval: object, mtbf: object, training_mode: str) -> None:
         raise ConfigError("ckpt.interval", interval, "use a number of steps (epochs) >= 1, auto, or None")
     if mtbf is not None and (isinstance(mtbf, bool) or not isinstance(mtbf, (int, float)) or not mtbf > 0):
         raise ConfigError("ckpt.mtbf", mtbf, "use seconds > 0 between interruptions, or None (measured from the run)")
+
+
+register_section_check(
+    "ckpt.interval", lambda config, get: check_interval(get("ckpt.interval"), get("ckpt.mtbf"), config.training_mode())
+)

@@ -30,6 +30,7 @@ from perdure.checkpoints.commit import (
     read_pointer,
     write_file,
 )
+from perdure.config_checks import register_section_check
 from perdure.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from perdure.safe_io import read_regular, safe_name
 
@@ -83,6 +84,9 @@ def check_mirror_url(key: str, url: Any) -> None:
     except ImportError as error:
         extra = " (pip install 'perdure[s3]')" if protocol in ("s3", "s3a") else ""
         raise ConfigError(key, url, f"the client of {protocol}:// is not installed{extra}: {error}") from None
+
+
+register_section_check("ckpt.mirror", lambda config, get: check_mirror_url("ckpt.mirror", get("ckpt.mirror")))
 
 
 def is_safe_key(key: str) -> bool:

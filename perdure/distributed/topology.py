@@ -25,10 +25,11 @@ Pure: this module computes coordinates and names; only `device_mesh` touches tor
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from perdure.config_checks import register_section_check
 from perdure.errors import ConfigError
 
 AXES = ("replicate", "shard", "tensor", "pipeline", "context", "expert")  # the config's order
@@ -209,6 +210,23 @@ def check_axes(axes: Mapping[str, Any]) -> None:
         raise ConfigError(
             KEY, shown, f"at most one axis may be -1 (it takes the ranks the others leave); give {free[1]} a size"
         )
+
+
+def check_parallel_section(config: Any, get: Callable[[str], Any]) -> None:
+    """`parallel.*` as far as it can be checked without the world size (`Topology.resolve` does the rest)."""
+    parallel = get("parallel") or {}
+    check_axes(parallel.get("axes", {}))
+    pipeline = parallel.get("pipeline", {})
+    schedule, virtual = pipeline.get("schedule"), pipeline.get("virtual_stages")
+    if schedule == "Interleaved1F1B" and virtual < 2:
+        fix = "Interleaved1F1B runs 2 or more stages per rank; use 2 or more, or the 1F1B schedule"
+        raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
+    if schedule != "Interleaved1F1B" and virtual != 1:
+        fix = f"{schedule} runs one stage per rank; use 1, or --parallel.pipeline.schedule Interleaved1F1B"
+        raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
+
+
+register_section_check("parallel", check_parallel_section)
 
 
 def device_mesh(topology: Topology, device_type: str) -> Any:

@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from perdure.config_checks import register_section_check
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError
 
@@ -102,3 +103,6 @@ def check_ft(get: Callable[[str], Any]) -> None:
         raise ConfigError(
             "ft.heartbeat_interval", get("ft.heartbeat_interval"), "use a number of seconds below ft.timeout"
         )
+
+
+register_section_check("ft", lambda config, get: check_ft(get))

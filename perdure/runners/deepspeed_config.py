@@ -13,9 +13,10 @@ Nothing here imports DeepSpeed.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from perdure.config_checks import register_section_check
 from perdure.errors import ConfigError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -114,6 +115,20 @@ def engine_config(config: Any, world_size: int) -> dict[str, Any]:
             )
         _put(merged, dotted, implied)
     return merged
+
+
+def check_deepspeed_section(config: Any, get: Callable[[str], Any]) -> None:
+    """`stack=deepspeed`: every `deepspeed.*` key (`check_engine_config`); any other stack: no DeepSpeed checkpoints."""
+    if get("stack") in ("deepspeed", "ds"):
+        from perdure.distributed.process_group import launched_world_size
+
+        check_engine_config(config, launched_world_size())
+    elif get("ckpt.backend") == "deepspeed":
+        raise ConfigError("ckpt.backend", "deepspeed", "the DeepSpeed engine's checkpoints need stack=deepspeed; use "
+                          "auto, file or dcp")  # fmt: skip
+
+
+register_section_check("deepspeed", check_deepspeed_section)
 
 
 def check_engine_config(config: Any, world_size: int) -> None:
