@@ -35,8 +35,6 @@ KNOWN_CYCLES: list[frozenset[str]] = [
             "perdure.runners.torch_runner",
         }
     ),
-    frozenset({"perdure.checkpoints.mirror", "perdure.checkpoints.mirror_restore"}),
-    frozenset({"perdure.cli.ckpt", "perdure.cli.ckpt_mirror"}),
 ]
 
 

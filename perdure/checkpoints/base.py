@@ -25,8 +25,8 @@ from perdure.checkpoints.commit import (
     write_pointer,
 )
 from perdure.checkpoints.gather import gather_records, publish_records
-from perdure.checkpoints.mirror import MirrorFailure, MirrorUploader
 from perdure.checkpoints.mirror_restore import restore_newest
+from perdure.checkpoints.mirror_upload import MirrorFailure, MirrorUploader
 from perdure.checkpoints.resolve import CheckpointInfo, Resolution, committed_checkpoints, find_latest, report
 from perdure.checkpoints.resolve import repair as repair_checkpoints
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
@@ -128,7 +128,7 @@ class CheckpointManager(ABC):
         self._saves = 0
         self.quarantined: list[str] = []
         self.resolution: Resolution | None = None  # what `resolve` found, for `repair`
-        self.mirror: MirrorUploader | None = None  # `ckpt.mirror`, on rank 0 of a training runner (mirror.py)
+        self.mirror: MirrorUploader | None = None  # `ckpt.mirror`, on rank 0 of a training runner (mirror_upload.py)
 
     # ---- what the runner calls -------------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
 from perdure.runners.export import EXPORT_DTYPES, cast_weights, export_weights, read_weights, save_safetensors
 from perdure.safe_io import echo, escape_terminal, read_regular, safe_name
+from perdure.wording import human_size
 
 EXPORT_SUFFIXES = (".pth", ".safetensors")
 RUN_DIR_MARKERS = ("checkpoints", "metadata", "run.lock")  # what a run dir holds (checkpoints/ may not exist yet)
@@ -169,15 +170,6 @@ def pointer_targets(root: Path) -> dict[str, str]:
 
 
 # ---- formatting ----------------------------------------------------------------------------------------------------
-
-
-def human_size(size: float) -> str:
-    """Bytes in binary units: 512 B, 1.5 KiB, 3.2 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def tree_size(path: Path) -> int:

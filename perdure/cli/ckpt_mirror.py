@@ -28,6 +28,7 @@ from perdure.checkpoints.mirror_restore import (
 )
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.safe_io import echo, safe_name
+from perdure.wording import human_size
 
 
 def is_url(location: str | Path) -> bool:
@@ -85,7 +86,7 @@ def mirror_ls(args: argparse.Namespace) -> int:
             verified = f"FAILED: {error.reason}"
         size = sum(entry["size"] for entry in item.manifest["files"].values())
         step = item.manifest.get("global_step")
-        echo(f"  {item.name}  step {step}  {_human(size)}  {verified}  {marks}")
+        echo(f"  {item.name}  step {step}  {human_size(size)}  {verified}  {marks}")
     return 0
 
 
@@ -100,7 +101,7 @@ def mirror_verify(args: argparse.Namespace) -> int:
             files = manifest["files"]
             size = sum(entry["size"] for entry in files.values())
             how = "checksums" if deep else "sizes only"
-            echo(f"OK      {store}/{each}  ({len(files)} files, {_human(size)}, {how})")
+            echo(f"OK      {store}/{each}  ({len(files)} files, {human_size(size)}, {how})")
         except CheckpointCorruptError as error:
             echo(f"FAILED  {store}/{each}: {error.reason}")
             failures += 1
@@ -152,9 +153,3 @@ def mirror_prune(args: argparse.Namespace) -> int:
     kept = [item.name for item in mirrored_checkpoints(store) if item.manifest and item.name not in removed]
     echo(f"kept {len(kept)}: {', '.join(kept) or '-'}")
     return 0
-
-
-def _human(size: float) -> str:
-    from perdure.cli.ckpt import human_size
-
-    return human_size(size)

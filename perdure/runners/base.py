@@ -32,7 +32,7 @@ from torch import nn
 
 from perdure.checkpoints.async_save import WRITER_PROCESS_NAME
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy, Stateful
-from perdure.checkpoints.mirror import mirror_for_run
+from perdure.checkpoints.mirror_upload import mirror_for_run
 from perdure.checkpoints.select import manager_class as select_manager_class
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
