@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing as torch_mp
@@ -34,9 +35,6 @@ from perdure.checkpoints.snapshot import BufferPool, Snapshot
 from perdure.checkpoints.staging import Staging
 from perdure.errors import CheckpointSaveError, CheckpointStateError
 from perdure.resilience.worker_signals import preemption_signals_blocked
-
-if TYPE_CHECKING:
-    from perdure.checkpoints.base import CheckpointManager
 
 logger = logging.getLogger("perdure")
 SentBuffers = dict[int, tuple[int, torch.Tensor]]  # id of a buffer -> (its number for the writer process, the buffer)
@@ -75,12 +73,22 @@ class SaveOutcome:
     fatal: bool = False
 
 
+class JobCommitter(Protocol):
+    """What a background saver uses of the `CheckpointManager` that owns it (checkpoints/base.py)."""
+
+    root: Path
+
+    def commit_job(self, job: SaveJob) -> Path: ...
+
+    def discard_staging(self, job: SaveJob, writer_pid: int) -> None: ...
+
+
 class AsyncSaver:
     """The queue between the training loop and the single background writer."""
 
     def __init__(
         self,
-        manager: CheckpointManager,
+        manager: JobCommitter,
         mode: str,
         shared_memory: bool | None = None,
         device_staging: str = "auto",
@@ -222,7 +230,7 @@ class _WriterProcess:
     would fail the same way, and each save says why.
     """
 
-    def __init__(self, manager: CheckpointManager) -> None:
+    def __init__(self, manager: JobCommitter) -> None:
         _raise_open_file_limit()
         self.manager = manager
         self.root = manager.root
@@ -325,7 +333,7 @@ class _WriterProcess:
         self.descriptors.close()
 
 
-def _writer_main(manager: CheckpointManager, jobs: Any, results: Any, descriptors: socket.socket, parent: int) -> None:
+def _writer_main(manager: JobCommitter, jobs: Any, results: Any, descriptors: socket.socket, parent: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:
         return

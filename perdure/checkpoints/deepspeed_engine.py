@@ -34,7 +34,7 @@ import torch
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, write_file
-from perdure.checkpoints.deepspeed_files import check_engine_files, check_tag_dir
+from perdure.checkpoints.deepspeed_files import TAG, check_engine_files, check_tag_dir
 from perdure.checkpoints.deepspeed_universal import UniversalSource, prune_derived
 from perdure.checkpoints.file import _save, local_file, read_local_states
 from perdure.checkpoints.safe_unpickle import deepspeed_loads_restricted, deepspeed_refusal
@@ -42,7 +42,6 @@ from perdure.errors import CheckpointError
 
 logger = logging.getLogger("perdure")
 
-TAG = "engine"  # the engine's tag directory inside every checkpoint
 CLIENT_KEY = "perdure"  # perdure's replicated state inside the engine's client_state
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 

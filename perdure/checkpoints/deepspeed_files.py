@@ -25,6 +25,8 @@ from perdure.checkpoints.safe_unpickle import load_deepspeed_file
 from perdure.errors import CheckpointCorruptError, CheckpointError
 from perdure.safe_io import UnsafeFileError, is_symlink, regular_files_under, safe_name
 
+TAG = "engine"  # the engine's tag directory inside every checkpoint perdure's DeepSpeed backend writes
+
 # Where DeepSpeed's files name parameters (model states: top level; optimizer states: under optimizer_state_dict).
 PARAM_NAME_FIELDS = ("module", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
                      "buffer_names", "param_slice_mappings")  # fmt: skip

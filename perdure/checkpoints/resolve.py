@@ -180,8 +180,7 @@ def find_latest(root: Path, *, deep: bool = True) -> Resolution:
         try:
             manifest = verify_checkpoint(path, deep=deep)
             if deep and manifest.get("backend") == "deepspeed":  # DeepSpeed opens its files by name, unpickling them
-                from perdure.checkpoints.deepspeed_engine import TAG
-                from perdure.checkpoints.deepspeed_files import refuse_hostile_checkpoint
+                from perdure.checkpoints.deepspeed_files import TAG, refuse_hostile_checkpoint
 
                 refuse_hostile_checkpoint(path, TAG)
         except CheckpointCorruptError as exc:
