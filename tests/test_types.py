@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-api = pytest.importorskip("mypy.api")
+api = pytest.importorskip("mypy.api", reason="mypy is in the dev extra: pip install -e '.[dev]'")
 
 ROOT = Path(__file__).resolve().parent.parent
 
