@@ -157,12 +157,36 @@ def assert_all_ok(results: list[subprocess.CompletedProcess]) -> None:
         )
 
 
+_PORTS_PER_WORKER = 2000
+_port_cursor: list[int] = []  # this process's next port in its slice, offset from the slice's start
+
+
 def free_port() -> int:
+    """A free TCP port for a launch this test starts (a MASTER_PORT, a lighthouse, a server).
+
+    Not `bind(0)`: that hands out a port from the kernel's ephemeral range, the same range every outgoing connection and
+    every gloo pair socket takes its port from, so between this probe and the launch's bind another test's ranks may
+    take it (CI saw EADDRINUSE, and a rerun whose ranks found another run's store on their port and hung). The ports
+    come from below the ephemeral range, where only an explicit bind lands, and each pytest-xdist worker draws from its
+    own slice in order, so two tests never hand out the same port."""
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    start = ephemeral_low - _PORTS_PER_WORKER * (worker + 1)
+    assert start > 1024, f"the ephemeral range starts at {ephemeral_low}: no room below it for worker {worker}"
+    if not _port_cursor:
+        _port_cursor.append(os.getpid() % _PORTS_PER_WORKER)  # a new session does not start on the last one's ports
+    for _ in range(_PORTS_PER_WORKER):
+        port = start + _port_cursor[0]
+        _port_cursor[0] = (_port_cursor[0] + 1) % _PORTS_PER_WORKER
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:  # taken, or still in TIME_WAIT from an earlier launch
+                continue
+            return port
+    raise AssertionError(f"no free port in {start}..{start + _PORTS_PER_WORKER - 1}")
 
 
 def skip_unless_ranks_fit(world_size: int) -> None:
