@@ -14,6 +14,9 @@ docs/deepspeed.md.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from padded_lm import IGNORE, Sequences, pad_batch, summed_loss  # examples/padded_lm.py: data, padding, the loss
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -21,7 +24,7 @@ from perdure import Runner, RunnerConfig
 
 
 class Config(RunnerConfig):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.steps = 40
         self.seed = 7
@@ -41,7 +44,9 @@ class Config(RunnerConfig):
 
 
 class HFRunner(Runner):
-    def __init__(self, config):
+    model: LlamaForCausalLM  # narrower than the base's `nn.Module | None`
+
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         m = config.model
         model_config = LlamaConfig(
@@ -60,16 +65,17 @@ class HFRunner(Runner):
             self.datasets[split] = Sequences(count, m.vocab, data.min_length, data.max_length, seed)
             self.collate_fns[split] = pad_batch  # {"input_ids", "attention_mask", "labels"}, padded per batch
 
-    def train_step(self, batch):
+    def train_step(self, batch: Any) -> torch.Tensor:
         batch = self.to_device(batch)
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss, _ = summed_loss(logits, batch["labels"])
         return loss  # a sum: loss.normalize=tokens divides it by the window's target tokens on all ranks
 
-    def loss_tokens(self, batch):
-        return (batch["labels"][:, 1:] != IGNORE).sum()
+    def loss_tokens(self, batch: Any) -> torch.Tensor:
+        labels: torch.Tensor = batch["labels"]
+        return (labels[:, 1:] != IGNORE).sum()
 
-    def evaluate_step(self, batch):
+    def evaluate_step(self, batch: Any) -> dict[str, torch.Tensor]:
         batch = self.to_device(batch)
         return {"loss": self.model(**batch).loss}  # the model's own loss: the mean over the batch's target tokens
 

@@ -13,6 +13,8 @@ batch would give the tokens of a short batch more weight than those of a long on
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -24,7 +26,7 @@ IGNORE = -100  # the label of a padded position (torch's and Hugging Face's igno
 
 
 class Config(RunnerConfig):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.steps = 60
         self.seed = 7
@@ -40,19 +42,19 @@ class Config(RunnerConfig):
         self.data.min_length = 4
         self.data.max_length = 24
 
-    def check_user_keys(self):
+    def check_user_keys(self) -> None:
         if not 2 <= self.data.min_length <= self.data.max_length:
             fix = f"use 2 <= data.min_length <= data.max_length ({self.data.max_length})"
             raise ConfigError("data.min_length", self.data.min_length, fix)
 
 
-class Sequences(Dataset):
+class Sequences(Dataset[dict[str, torch.Tensor]]):
     """Sequences of random lengths that follow a fixed rule with some noise (learnable), as `input_ids` only."""
 
-    def __init__(self, count, vocab, min_length, max_length, seed):
+    def __init__(self, count: int, vocab: int, min_length: int, max_length: int, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         lengths = torch.randint(min_length, max_length + 1, (count,), generator=generator)
-        self.samples = []
+        self.samples: list[torch.Tensor] = []
         for length in lengths.tolist():
             tokens = [int(torch.randint(vocab, (), generator=generator))]
             for _ in range(length - 1):
@@ -61,14 +63,14 @@ class Sequences(Dataset):
                 tokens.append(step)
             self.samples.append(torch.tensor(tokens))
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.samples[index]}
 
 
-def pad_batch(samples):
+def pad_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A list of `{"input_ids": 1-D tensor}` as one batch padded to its longest sequence (padding on the right)."""
     longest = max(len(sample["input_ids"]) for sample in samples)
     input_ids = torch.zeros(len(samples), longest, dtype=torch.long)
@@ -85,18 +87,19 @@ class TinyCausalLM(nn.Module):
     """Embedding, a GRU (causal: position t sees positions <= t, so right padding changes no real token's output)
     and a head: `forward(input_ids) -> logits`."""
 
-    def __init__(self, vocab, dim):
+    def __init__(self, vocab: int, dim: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.rnn = nn.GRU(dim, dim, batch_first=True)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.rnn(self.embed(input_ids))
-        return self.head(hidden)
+        logits: torch.Tensor = self.head(hidden)
+        return logits
 
 
-def summed_loss(logits, labels):
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sum over the batch's target tokens of the next-token cross-entropy (labels shifted by one; -100 ignored)
     and the number of those tokens."""
     targets = labels[:, 1:]
@@ -105,7 +108,9 @@ def summed_loss(logits, labels):
 
 
 class LMRunner(Runner):
-    def __init__(self, config):
+    model: TinyCausalLM  # narrower than the base's `nn.Module | None`
+
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.model = TinyCausalLM(config.model.vocab, config.model.dim)
         data = config.data
@@ -113,15 +118,16 @@ class LMRunner(Runner):
             self.datasets[split] = Sequences(count, config.model.vocab, data.min_length, data.max_length, seed)
             self.collate_fns[split] = pad_batch
 
-    def train_step(self, batch):
+    def train_step(self, batch: Any) -> torch.Tensor:
         batch = self.to_device(batch)
         loss, _ = summed_loss(self.model(batch["input_ids"]), batch["labels"])
         return loss  # a sum: loss.normalize=tokens divides it by the window's tokens on all ranks
 
-    def loss_tokens(self, batch):
-        return (batch["labels"][:, 1:] != IGNORE).sum()  # exactly the tokens train_step sums
+    def loss_tokens(self, batch: Any) -> torch.Tensor:
+        labels: torch.Tensor = batch["labels"]
+        return (labels[:, 1:] != IGNORE).sum()  # exactly the tokens train_step sums
 
-    def evaluate_step(self, batch):
+    def evaluate_step(self, batch: Any) -> dict[str, torch.Tensor]:
         batch = self.to_device(batch)
         loss, tokens = summed_loss(self.model(batch["input_ids"]), batch["labels"])
         return {"loss": loss / tokens}
