@@ -73,10 +73,18 @@ def load_torch_bytes(data: IO[bytes], what: object) -> Any:
         raise _torch_refusal(what, error) from None
 
 
-def load_torch_file(path: Path, *, follow_symlinks: bool = False) -> Any:
+def load_torch_file(path: Path, *, follow_symlinks: bool = False, mmap: bool = False) -> Any:
     """`torch.load(path, weights_only=True)` of a regular file (never a FIFO; a symlink only with `follow_symlinks`,
-    for a file the user named), refusals made clear. OSError (missing, unreadable, `UnsafeFileError`) passes through."""
+    for a file the user named), refusals made clear. OSError (missing, unreadable, `UnsafeFileError`) passes through.
+    `mmap`: the tensors are mapped from the file, not read (only the pages a reader touches are read; torch maps a
+    file by name, after the check that it is a regular file)."""
     fd = open_regular(path, follow_symlinks=follow_symlinks)
+    if mmap:
+        os.close(fd)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as error:
+            raise _torch_refusal(path, error) from None
     with os.fdopen(fd, "rb") as file:
         return load_torch_bytes(file, path)
 

@@ -44,6 +44,7 @@ MAX_INDEX_BYTES = 64 << 20
 MAX_TENSORS = 1_000_000
 MAX_NAME_CHARS = 1024
 MAX_SHARDS = 100_000
+MISMATCHES_SHOWN = 5  # the first few missing / unexpected / mis-shaped keys named in a refusal
 # safetensors' dtype names -> bytes per value (the dtypes torch can hold)
 DTYPE_SIZES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -52,25 +53,36 @@ DTYPE_SIZES = {
 PERDURE_KEYS = ("run", "source")  # `__metadata__` keys only perdure's own model.safetensors carries
 
 
-def read_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
+def read_weights(path: Path, ema: bool = False, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     """The weights at `path` (any form in the module docstring), with plain names (`torch.compile`'s `_orig_mod.`
-    removed, see `perdure.runners.compile`). `ema`: a checkpoint's EMA weights instead of the model's."""
+    removed, see `perdure.runners.compile`). `ema`: a checkpoint's EMA weights instead of the model's. `mmap`: the
+    tensors of a torch.save file (`model.pth`, `pytorch_model.bin`, a file checkpoint's state) are mapped from the
+    file, not read: a reader that copies a slice of one reads only the pages of that slice (`weights_slices.py`)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"pretrained path {path} does not exist")
-    return strip_compile_prefix(_read(path, ema))
+    return strip_compile_prefix(_read(path, ema, mmap))
 
 
-def _read(path: Path, ema: bool) -> dict[str, torch.Tensor]:
+def weight_files(path: Path, ema: bool = False) -> list[Path] | None:
+    """The files that hold the weights when `path` is a file of weights or a `save_pretrained`-style directory (its
+    `hf_dir_files`); None for a checkpoint, checkpoints or run directory or a pointer (read through `resolve_path`).
+    CheckpointError for `ema` of a file: it holds one set of weights."""
     hf_dir = is_hf_dir(path)
-    if (path.is_file() and path.name not in POINTERS) or hf_dir:
-        if ema:
-            raise CheckpointError(f"{path} holds one set of weights; EMA weights are read from a checkpoint")
-        if hf_dir:
-            return _read_hf_dir(path)
-        if path.suffix == ".safetensors":
-            return read_safetensors(path, named=True)
-        return _tensors(_load(path, named=True), path)
+    if not ((path.is_file() and path.name not in POINTERS) or hf_dir):
+        return None
+    if ema:
+        raise CheckpointError(f"{path} holds one set of weights; EMA weights are read from a checkpoint")
+    return hf_dir_files(path) if hf_dir else [path]
+
+
+def _read(path: Path, ema: bool, mmap: bool) -> dict[str, torch.Tensor]:
+    files = weight_files(path, ema)
+    if files is not None:
+        named = files == [path]  # the user named this file: a symlink to it is followed
+        if files[0].suffix != ".safetensors":
+            return _tensors(_load(files[0], named=named, mmap=mmap), files[0])
+        return {name: tensor for file in files for name, tensor in read_safetensors(file, named=named).items()}
     info = resolve_path(path)
     if info.manifest.get("backend") == "dcp":
         from perdure.checkpoints.dcp import read_dcp_weights
@@ -80,7 +92,7 @@ def _read(path: Path, ema: bool) -> dict[str, torch.Tensor]:
         from perdure.checkpoints.deepspeed_engine import read_deepspeed_weights
 
         return read_deepspeed_weights(info.path, ema=ema)
-    state = _load(info.path / REPLICATED_FILE)
+    state = _load(info.path / REPLICATED_FILE, mmap=mmap)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{info.path / REPLICATED_FILE} holds no model state; it is not a perdure checkpoint")
     if ema:
@@ -213,13 +225,6 @@ def read_safetensors(path: Path, *, named: bool = False) -> dict[str, torch.Tens
         return {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118  (safe_open has no __iter__)
 
 
-def _read_hf_dir(directory: Path) -> dict[str, torch.Tensor]:
-    files = hf_dir_files(directory)
-    if files[0].suffix != ".safetensors":
-        return _tensors(_load(files[0]), files[0])
-    return {name: tensor for file in files for name, tensor in read_safetensors(file).items()}
-
-
 def hf_dir_files(directory: Path) -> list[Path]:
     """The weight files of a `save_pretrained`-style directory: the shards of its index, else `model.safetensors`,
     else `pytorch_model.bin`; none of them a symlink."""
@@ -263,10 +268,11 @@ def index_shards(index: Path) -> list[Path]:
     return shards
 
 
-def _load(path: Path, *, named: bool = False) -> object:
-    """`torch.load(weights_only=True)`; `named`: the user gave this file (a symlink to it is fine)."""
+def _load(path: Path, *, named: bool = False, mmap: bool = False) -> object:
+    """`torch.load(weights_only=True)`; `named`: the user gave this file (a symlink to it is fine); `mmap`: tensors
+    mapped from the file, not read (`load_torch_file`)."""
     try:
-        return load_torch_file(path, follow_symlinks=named)
+        return load_torch_file(path, follow_symlinks=named, mmap=mmap)
     except (CheckpointError, UnsafeFileError):
         raise
     except pickle.UnpicklingError as error:
@@ -306,3 +312,34 @@ def with_tied(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
         if twin is not None:
             filled[name] = weights[twin]
     return filled
+
+
+def check_weights_fit(
+    model_name: str,
+    expected: dict[str, tuple[int, ...] | None],
+    given: dict[str, tuple[int, ...] | None],
+    source: Path,
+    *,
+    unexpected_too: bool = True,
+) -> None:
+    """Refuse weights whose names and shapes (`given`, None for an entry that is no tensor) do not fit the model's
+    (`expected`) with a CheckpointError naming the missing, unexpected and mis-shaped keys (the first few of each,
+    and how many). Shapes only: it runs on a file's metadata before any tensor is read. `unexpected_too`: False when
+    `expected` is part of the model (a pipeline stage), whose other parts hold the keys it lacks."""
+    missing = [key for key in expected if key not in given]
+    unexpected = [key for key in given if key not in expected] if unexpected_too else []
+    shapes = [
+        f"{key} {given[key]} (model: {expected[key]})"
+        for key in expected
+        if key in given and given[key] is not None and given[key] != expected[key]
+    ]
+    problems = []
+    for what, items in (("missing", missing), ("unexpected", unexpected), ("with another shape", shapes)):
+        if items:
+            shown = ", ".join(items[:MISMATCHES_SHOWN]) + (", ..." if len(items) > MISMATCHES_SHOWN else "")
+            problems.append(f"{len(items)} {what}: {shown}")
+    if problems:
+        raise CheckpointError(
+            f"the weights in {source} do not fit {model_name}: {'; '.join(problems)}. Give weights of the "
+            "same architecture (a checkpoint or model.pth of this model)"
+        )

@@ -27,7 +27,6 @@ from perdure.loggers.console import attach_log_file, detach_log_file
 from perdure.resilience.crash_loop import STUCK_EXIT, is_retry, refuse_if_stuck
 from perdure.resilience.hang_watch import HangVerdict
 from perdure.resilience.run_lock import LOCK_NAME, RunLock, RunLockedError
-from perdure.runners.export import read_weights
 from perdure.workspace.identity import canonical_config
 from perdure.workspace.launch import record_launch
 from perdure.workspace.run_dir import RunDir, resolve_run_dir
@@ -88,7 +87,7 @@ class AttemptMixin:
             if source.info is not None:
                 self._check_same_config(source.info)
             if source.kind == "pretrained":
-                read_weights(source.path)  # unreadable weights are refused before anything is written
+                self.read_pretrained(source.path)  # unreadable weights are refused before anything is written
             if self.run_lock is not None:  # an existing run: refused when its last attempts made no progress
                 refuse_if_stuck(
                     run_dir.path,

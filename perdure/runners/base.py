@@ -57,7 +57,6 @@ from perdure.runners.determinism import configure_determinism
 from perdure.runners.divergence import SkippedSteps
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.evaluation import EvaluationMixin
-from perdure.runners.export import read_weights
 from perdure.runners.metrics import MetricsMixin
 from perdure.runners.optim import build_optimizer, build_scheduler
 from perdure.runners.param_coverage import check_parameter_coverage
@@ -152,7 +151,7 @@ class BaseRunner(
         if not self.is_main_process:
             self.checkpoints = self._checkpoint_manager()
         if self.restore_source.kind == "pretrained":
-            self._pretrained_weights = read_weights(self.restore_source.path)
+            self._pretrained_weights = self.read_pretrained(self.restore_source.path)
         self.hang_watch = HangWatch.for_runner(self)  # dist.step_timeout: started with the attempt (attempt.py)
         loggers = self.metric_loggers() if self.is_main_process else []
         self.telemetry = RunTelemetry(self.run_dir, config, self.state, loggers, active=self.is_main_process)

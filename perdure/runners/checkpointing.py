@@ -19,7 +19,7 @@ from perdure.checkpoints.hf_export import HF_META
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.snapshot import storage_key
 from perdure.checkpoints.source import RestoreSource
-from perdure.checkpoints.weights_read import in_model_layout, with_tied
+from perdure.checkpoints.weights_read import check_weights_fit, in_model_layout, with_tied
 from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError, PerdureError
 from perdure.loggers.console import get_logger
@@ -300,6 +300,13 @@ class CheckpointingMixin:
         weights = in_model_layout(read_weights(Path(path), ema=ema), Path(path), self.state_dict_adapter())
         load_matching_weights(self.unwrap_model(), weights, Path(path))
 
+    def read_pretrained(self, path: Path) -> Any:
+        """Called when the run starts from `--pretrained` (on rank 0 while it decides the run, to refuse unreadable
+        weights before anything is written; then on every rank in `__init__`): what the restore loads the weights
+        from. Default: `read_weights(path)`, the full state dict on every rank. The parallel stack opens them to read
+        slice by slice instead (`open_weight_slices`: names and shapes now, each rank's shards once it has them)."""
+        return read_weights(path)
+
     def state_dict_adapter(self) -> StateDictAdapter | None:
         """How the model's state dict maps to and from the Hugging Face layout, or None (the default) when the
         model's own names already are the Hugging Face names (any `transformers.PreTrainedModel`).
@@ -425,8 +432,6 @@ def building_for_inspection() -> bool:
 
 _INSPECTION: ContextVar[bool] = ContextVar("perdure_inspection", default=False)
 
-MISMATCHES_SHOWN = 5
-
 
 def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: Path) -> None:
     """`model.load_state_dict(weights)`, refusing with a CheckpointError that names the missing, unexpected and
@@ -436,24 +441,17 @@ def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tenso
     names = {plain_name(key): key for key in model.state_dict()}
     expected = plain_state_dict(model)
     weights = with_tied(strip_compile_prefix(weights), expected)  # `save_pretrained` leaves tied copies out
-    missing = [key for key in expected if key not in weights]
-    unexpected = [key for key in weights if key not in expected]
-    shapes = [
-        f"{key} {tuple(weights[key].shape)} (model: {tuple(expected[key].shape)})"
-        for key in expected
-        if key in weights and isinstance(weights[key], torch.Tensor) and weights[key].shape != expected[key].shape
-    ]
-    problems = []
-    for what, items in (("missing", missing), ("unexpected", unexpected), ("with another shape", shapes)):
-        if items:
-            shown = ", ".join(items[:MISMATCHES_SHOWN]) + (", ..." if len(items) > MISMATCHES_SHOWN else "")
-            problems.append(f"{len(items)} {what}: {shown}")
-    if problems:
-        raise CheckpointError(
-            f"the weights in {source} do not fit {type(model).__name__}: {'; '.join(problems)}. Give weights of the "
-            "same architecture (a checkpoint or model.pth of this model)"
-        )
+    check_weights_fit(
+        type(model).__name__,
+        {key: _shape(value) for key, value in expected.items()},
+        {key: _shape(value) for key, value in weights.items()},
+        source,
+    )
     model.load_state_dict({names[key]: value for key, value in weights.items()})
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def read_stored_config(checkpoint: Path) -> dict[str, Any]:

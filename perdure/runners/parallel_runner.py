@@ -34,17 +34,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
-from perdure.checkpoints.module_state import full_module_state_dict, load_full_module_state_dict
+from perdure.checkpoints.module_state import full_module_state_dict
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
 from perdure.checkpoints.source import RestoreSource
-from perdure.checkpoints.weights_read import in_model_layout, read_weights
+from perdure.checkpoints.weights_slices import WeightSlices, open_weight_slices
 from perdure.distributed.collectives import all_gather_object
 from perdure.distributed.grad_norm import clip_grad_norm
 from perdure.distributed.process_group import init_process_group, select_backend
 from perdure.distributed.topology import FSDP_CONTEXT_MESH, Topology, device_mesh
 from perdure.errors import ConfigError, PerdureError
-from perdure.runners.checkpointing import load_matching_weights
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.loss_parallel import local_loss, loss_context
 from perdure.runners.meta_init import check_initialisable, is_meta_model
@@ -66,6 +65,7 @@ from perdure.runners.pipeline import (
     split_model,
     stage_indices,
 )
+from perdure.runners.pretrained_shards import describe_reads, load_shards, plan_pretrained
 from perdure.runners.rebind import parameter_slots, rebind_scheduler, rebuild_optimizer
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
 
@@ -159,10 +159,10 @@ class ParallelRunner(TorchRunner):
             model = model._orig_mod
         slots = parameter_slots(self.optimizer, model)  # where each parameter lives, found again after sharding
         meta = is_meta_model(model)  # built on the meta device: each rank allocates its shards once they are cut
-        if self.restore_source.kind == "pretrained" and not meta:  # into the whole model, before any split
-            weights = in_model_layout(self._pretrained_weights, self.restore_source.path, self.state_dict_adapter())
+        pretrained = None  # `--pretrained`: names and shapes checked on the whole model, read into the shards below
+        if self.restore_source.kind == "pretrained":
+            pretrained = plan_pretrained(model, self._pretrained_weights, self.state_dict_adapter())
             del self._pretrained_weights
-            load_matching_weights(model, weights, self.restore_source.path)
         self.mesh = device_mesh(self.topology, self.device.type)
         parts = self.split_pipeline(model, self.mesh) if self.topology.pipeline > 1 else [model]
         for part in parts:
@@ -173,6 +173,9 @@ class ParallelRunner(TorchRunner):
             apply_fsdp(part, self.model_blocks(part), self.fsdp_mesh(), **self.fsdp_kwargs())
         if meta:
             self.materialise_model(parts)
+        if pretrained is not None:  # each rank reads the regions of its shards (`pretrained_shards.py`)
+            load_shards(parts, pretrained)
+            self.logger.info("%s", describe_reads(pretrained, self.restore_source.path))
         self.model_parts = parts
         self.model = parts[0] if len(parts) == 1 else ModelParts(parts)
         old = self.optimizer
@@ -195,15 +198,6 @@ class ParallelRunner(TorchRunner):
         check_initialisable(self.model)
         if isinstance(self.criterion, nn.Module):
             self.criterion.to(self.device)
-
-    def materialise_model(self, parts: list[nn.Module]) -> None:
-        """Every stack's (allocate this rank's shards, initialise them the same on every topology); with
-        `--pretrained`, the full weights then replace the initial values, each rank keeping its shards."""
-        super().materialise_model(parts)
-        if self.restore_source.kind == "pretrained":
-            weights = in_model_layout(self._pretrained_weights, self.restore_source.path, self.state_dict_adapter())
-            del self._pretrained_weights
-            self._load_full_weights(parts, weights, self.restore_source.path)
 
     def init_module(self) -> AbstractContextManager:
         """The meta device: the model is built without storage, sharded, then each rank allocates its shards."""
@@ -423,23 +417,25 @@ class ParallelRunner(TorchRunner):
         states["optimizer"] = ShardedOptimizer(self.model_parts, self.optimizer)
         return states
 
+    def read_pretrained(self, path: Path) -> WeightSlices:
+        """The `--pretrained` weights opened to be read slice by slice (`open_weight_slices`): their names, shapes and
+        dtypes now (a safetensors header, a mapped torch.save file); `distribute_model` checks them against the whole
+        model and each rank reads the regions of its shards once it holds them (`pretrained_shards.py`)."""
+        return open_weight_slices(path)
+
     def restore(self, source: RestoreSource) -> None:
-        if source.kind == "pretrained":  # loaded into the whole model in `distribute_model`, before it was sharded
+        if source.kind == "pretrained":  # read into this rank's shards in `distribute_model`
             self.logger.info("%s", source.describe())
             return
         super().restore(source)
 
     def load_pretrained(self, path: Path, ema: bool = False) -> None:
-        """Load full model (or EMA) weights into the sharded model: every rank reads the file, keeps its shards."""
-        weights = in_model_layout(read_weights(Path(path), ema=ema), Path(path), self.state_dict_adapter())
-        self._load_full_weights(self.model_parts, weights, path)
-
-    def _load_full_weights(self, parts: list[nn.Module], weights: Mapping[str, torch.Tensor], path: Path) -> None:
-        for part in parts:
-            missing = [key for key in part.state_dict() if key not in weights]
-            if missing:
-                raise PerdureError(f"the weights in {path} lack {', '.join(missing[:5])} of this model")
-            load_full_module_state_dict(part, weights)
+        """Load model (or EMA) weights into the sharded model, shard by shard: each rank reads the regions it holds
+        (`pretrained_shards.py`). Under a pipeline only this rank's stages are checked (keys of other stages are
+        not refused as unexpected)."""
+        slices = open_weight_slices(Path(path), ema=ema)
+        plan = plan_pretrained(self.model_parts, slices, self.state_dict_adapter(), whole=self.topology.pipeline == 1)
+        load_shards(self.model_parts, plan)
 
     def _note_topology(self, info: CheckpointInfo) -> None:
         """A resume on another topology: say what changed (the global batch follows the data ranks)."""

@@ -12,6 +12,8 @@ Environment knobs (tests only):
   PEAK_RSS         each rank writes how far its resident memory rose above its start (bytes: the peak from the start
                    of the program to the model built, sharded and materialised; /proc/self/status), "{rank}" replaced
   SETUP_ONLY       build the runner, write the above and stop (no training)
+  FUSED_STATE      the state dict holds each attention's fused `wqkv` as the model does: its hooks that split it into
+                   whole `wq` / `wk` / `wv` (gathering it) and fuse them back are removed
 """
 
 import os
@@ -77,6 +79,11 @@ class TestRunner(llama.LlamaRunner):
             with torch.device("meta") if build in ("meta", "bare") else self.init_module():
                 model_class = BareLlama if build == "bare" else MetaLlama
                 self.model = model_class(m.vocab, m.dim, m.layers, m.heads, m.hidden, m.seq_len, m.rope_theta)
+        if os.environ.get("FUSED_STATE"):
+            for module in self.model.modules():
+                if isinstance(module, llama.Attention):
+                    module._state_dict_hooks.clear()
+                    module._load_state_dict_pre_hooks.clear()
         if os.environ.get("USER_OPTIMIZER"):  # over the parameters as built (on meta): the runner must keep them
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.optim.lr)
         self.criterion = llama.cross_entropy

@@ -1,0 +1,122 @@
+"""Reading weights slice by slice: each rank of a sharded model reads only the regions of the tensors it holds.
+
+`open_weight_slices(path)` opens any form `read_weights` reads (`weights_read.py`) and reads no tensor data: it gives
+every tensor's name, shape and dtype, and `read(name, region)` then reads one region of one tensor.
+
+    safetensors files (perdure's      the headers only, checked by `check_safetensors_header` (bounded, offsets that
+      `model.safetensors`, a Hugging    tile the file) before anything else; a region is read with the safetensors
+      Face file, a `save_pretrained`    library's `safe_open(...).get_slice(name)[region]`, the file opened for that
+      directory, sharded or not)        one read, so the pages it mapped are unmapped after: a rank's resident memory
+                                        grows by the regions it reads, one at a time
+    torch.save files (`model.pth`,    mapped, not read (`torch.load(mmap=True, weights_only=True)` through the
+      `pytorch_model.bin`, a file       allow-listed loader): a pickle cannot be read in part, but its tensor data is
+      checkpoint's `state.pth`)         only touched where a region is copied. The pages a rank touched belong to the
+                                        file's page cache and count in its resident memory until the load ends (the
+                                        mapping is dropped then): its regions, never the whole file
+    a DCP or DeepSpeed checkpoint     read whole (`read_weights`), then sliced: each rank holds the full weights while
+                                        they load
+
+Names are plain (`torch.compile`'s `_orig_mod.` removed), as `read_weights` gives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from perdure.checkpoints.weights_read import check_safetensors_header, is_hf_source, read_weights, weight_files
+from perdure.errors import CheckpointError
+from perdure.runners.compile import plain_name
+
+# safetensors' dtype names (those `check_safetensors_header` admits) -> torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+Region = tuple[slice, ...]
+
+
+class WeightSlices:
+    """The tensors at a path as names, shapes and dtypes (`shapes`, `dtypes`), read one region at a time (`read`).
+    `path`: what was opened; `hf`: whether the names are in the Hugging Face layout (`is_hf_source`), so a runner's
+    `state_dict_adapter()` maps them first."""
+
+    def __init__(self, path: Path, shapes: Mapping[str, torch.Size], dtypes: Mapping[str, torch.dtype]) -> None:
+        self.path = path
+        self.shapes = dict(shapes)
+        self.dtypes = dict(dtypes)
+        self.hf = is_hf_source(path)
+
+    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
+        """Tensor `name`, or its `region` (one slice per dimension, steps of 1): a tensor to copy from (it may be a
+        view of a mapped file). KeyError for a name `shapes` does not hold."""
+        raise NotImplementedError
+
+
+class SafetensorsSlices(WeightSlices):
+    """The tensors of safetensors files, read region by region through the safetensors library."""
+
+    def __init__(self, path: Path, files: list[Path], named: bool) -> None:
+        shapes: dict[str, torch.Size] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        self.files: dict[str, tuple[Path, str]] = {}  # plain name -> (file, the name in the file)
+        for file in files:
+            _, header = check_safetensors_header(file, named=named)
+            for name, entry in header.items():
+                plain = plain_name(name)
+                shapes[plain] = torch.Size(entry["shape"])
+                dtypes[plain] = SAFETENSORS_DTYPES[entry["dtype"]]
+                self.files[plain] = (file, name)
+        super().__init__(path, shapes, dtypes)
+
+    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
+        file, stored = self.files[name]
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise CheckpointError(
+                f"reading {file.name} needs the safetensors package: pip install safetensors (or perdure[hf])"
+            ) from None
+        # Opened for this one read: closing it unmaps the pages the read touched.
+        with safe_open(str(file), framework="pt", device="cpu") as opened:
+            if region is None or _whole(region, self.shapes[name]):
+                return opened.get_tensor(stored)
+            return opened.get_slice(stored)[region]
+
+
+class TensorSlices(WeightSlices):
+    """Tensors already at hand (mapped from a torch.save file, or read whole), sliced as views."""
+
+    def __init__(self, path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(path, {k: v.shape for k, v in tensors.items()}, {k: v.dtype for k, v in tensors.items()})
+        self.tensors = dict(tensors)
+
+    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
+        tensor = self.tensors[name]
+        return tensor if region is None else tensor[region]
+
+
+def open_weight_slices(path: Path, ema: bool = False) -> WeightSlices:
+    """The weights at `path` (any form `read_weights` reads), opened for reading region by region: see the module
+    docstring for what each form reads up front. `ema`: a checkpoint's EMA weights."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"pretrained path {path} does not exist")
+    files = weight_files(path, ema)
+    if files is not None and files[0].suffix == ".safetensors":
+        return SafetensorsSlices(path, files, named=files == [path])
+    return TensorSlices(path, read_weights(path, ema, mmap=True))  # DCP and DeepSpeed: read whole
+
+
+def region_of(shape: torch.Size, offset: tuple[int, ...], local_shape: tuple[int, ...]) -> Region:
+    """The region of a tensor of `shape` that a shard at `offset` of `local_shape` covers."""
+    return tuple(slice(start, start + size) for start, size in zip(offset, local_shape, strict=True))
+
+
+def _whole(region: Region, shape: torch.Size) -> bool:
+    return all(part.start in (0, None) and part.stop in (size, None) for part, size in zip(region, shape, strict=True))
