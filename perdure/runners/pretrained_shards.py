@@ -156,4 +156,5 @@ def describe_reads(plan: PretrainedPlan, path: Path) -> str:
         shape.numel() * torch.empty((), dtype=plan.slices.dtypes[name]).element_size()
         for name, shape in plan.slices.shapes.items()
     )
-    return f"--pretrained {path}: rank 0 read {plan.bytes_read:,} of its {total:,} bytes (the regions of its shards)"
+    read = f"rank 0 read {plan.bytes_read:,} of the {total:,} bytes of the weights (the regions of its shards)"
+    return f"--pretrained {path}: {read}"

@@ -68,7 +68,7 @@ def test_a_sharded_meta_model_starts_from_the_weights_one_process_loads(exported
     assert_same_weights(one_process, read_weights(source))  # the export's values, loaded whole
     if case == "fsdp2":
         weights, _, log = fsdp2
-        assert f"rank 0 read {MODEL_BYTES // 2:,} of its {MODEL_BYTES:,} bytes" in log, log[-3000:]  # its halves
+        assert f"rank 0 read {MODEL_BYTES // 2:,} of the {MODEL_BYTES:,} bytes" in log, log[-3000:]  # its halves
     else:
         assert_all_ok(run_ranks(4, "meta_llama.py", tmp_path, *COMMON, *MODEL, "--parallel.axes.tensor", "2",
                                 "--pretrained", str(source), SETUP_ONLY="1", INITIAL_WEIGHTS=tmp_path / "initial.pt",
