@@ -6,12 +6,16 @@ FSDP2 (2 ranks) and FSDP2 x TP (4 ranks) start from weights bit-equal to a 1-pro
 torch stack (the whole file read, then `load_state_dict`); a 2-rank FSDP2 rank's peak resident memory rises by less
 than a quarter of the model over the same launch without `--pretrained` (measured: 3.8 and 4.6 MB; reading the whole
 file on every rank, as before, rose by 44 and 31 MB); a file with a missing key and a tensor of another shape is
-refused naming both, from its header alone: that tensor's 4 GiB of data are a hole in a sparse file, never read."""
+refused naming both, from its header alone: that tensor's 4 GiB of data are a hole in a sparse file, never read; and
+a sharded `save_pretrained` directory of a Hugging Face Llama loads through the runner's adapter (renamed tensors read
+by region, permuted ones computed whole) and the model's own split / fuse hooks."""
 
 from __future__ import annotations
 
 import json
 import struct
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +126,22 @@ def test_a_file_that_does_not_fit_is_refused_from_its_header(exported, tmp_path)
         "tok_embeddings.weight (67108864, 16) (model: (512, 512))"
     )
     assert message in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_sharded_hugging_face_directory_loads_through_the_adapter_and_the_hooks(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from llama_hf import LlamaStateDictAdapter  # examples/llama_hf.py
+
+    torch.manual_seed(5)  # meta_llama.py's default shapes: vocab 32, dim 16, 2 layers of 2 heads, hidden 32
+    settings = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    config = transformers.LlamaConfig(**settings, num_key_value_heads=2, tie_word_embeddings=False)
+    published = transformers.LlamaForCausalLM(config)
+    published.save_pretrained(tmp_path / "hf", max_shard_size=20_000)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    results = run_ranks(2, "meta_llama.py", tmp_path / "runs", *COMMON, "--pretrained", str(tmp_path / "hf"),
+                        HF_ADAPTER="1", SETUP_ONLY="1", INITIAL_WEIGHTS=tmp_path / "initial.pt")  # fmt: skip
+    assert_all_ok(results)
+    expected = LlamaStateDictAdapter(2).from_hf(published.state_dict())
+    assert_same_weights(expected, initial_weights(tmp_path / "initial.pt"))

@@ -12,6 +12,7 @@ Environment knobs (tests only):
   PEAK_RSS         each rank writes how far its resident memory rose above its start (bytes: the peak from the start
                    of the program to the model built, sharded and materialised; /proc/self/status), "{rank}" replaced
   SETUP_ONLY       build the runner, write the above and stop (no training)
+  HF_ADAPTER       the runner maps Hugging Face weights through examples/llama_hf.py's `LlamaStateDictAdapter`
   FUSED_STATE      the state dict holds each attention's fused `wqkv` as the model does: its hooks that split it into
                    whole `wq` / `wk` / `wv` (gathering it) and fuse them back are removed
 """
@@ -89,6 +90,13 @@ class TestRunner(llama.LlamaRunner):
         self.criterion = llama.cross_entropy
         self.datasets["train"] = llama.TokenWindows(config.data.tokens, m.vocab, m.seq_len, seed=0)
         self.datasets["val"] = llama.TokenWindows(config.data.tokens // 8, m.vocab, m.seq_len, seed=1)
+
+    def state_dict_adapter(self):
+        if not os.environ.get("HF_ADAPTER"):
+            return None
+        from llama_hf import LlamaStateDictAdapter  # examples/llama_hf.py
+
+        return LlamaStateDictAdapter(self.config.model.heads)
 
     def distribute_model(self):
         super().distribute_model()
