@@ -1,16 +1,19 @@
 """A runner adds a metric logger through its `metric_loggers()` override point (an MLflow or Aim user writes a
 `MetricLogger`, not a `log_metrics` override): it is opened after the restore, receives what the built-in loggers
-receive, and is closed at the end; the built-in ones keep working beside it."""
+receive, and is closed at the end; the built-in ones keep working beside it. A launched program's JSON-lines logger
+(tests/scripts/jsonl_logger.py, the one docs/workspace.md shows) ends with exactly metrics.csv's rows, over a resume."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
 from perdure import MetricLogger, RunnerConfig, RunnerState
-from tests.runs import run_dir
+from perdure.loggers.metrics_csv import read_metrics_csv
+from tests.runs import run, run_dir
 from tests.scripts.resumable import ResumableRunner, make_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,3 +58,20 @@ def test_a_runner_adds_its_own_metric_logger_beside_the_built_in_ones(tmp_path: 
     rows = [row.split(",") for row in (run_dir(tmp_path) / "metrics.csv").read_text().splitlines()[1:]]
     csv_losses = {int(step): float(value) for step, split, name, value in rows if (split, name) == ("train", "loss")}
     assert csv_losses == pytest.approx({step: metrics["loss"] for step, metrics in train})
+
+
+def test_a_launched_program_with_its_own_json_lines_logger_gets_every_row_of_metrics_csv(tmp_path: Path) -> None:
+    # tests/scripts/jsonl_logger.py: examples/mlp.py plus the logger docs/workspace.md shows. Run to step 20, then
+    # extend to 30: the second launch resumes from step 20 and opens the logger with resumed_step=20.
+    args = ("--log.interval", "5", "--ckpt.interval", "10")
+    for steps, resumed in (("20", "starting fresh"), ("30", "resuming")):
+        result = run("jsonl_logger.py", tmp_path, "--steps", steps, *args)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert resumed in result.stdout + result.stderr
+    directory = run_dir(tmp_path)
+    lines = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    rows = [(line["step"], line["split"], name, value) for line in lines for name, value in line["metrics"].items()]
+    assert rows == read_metrics_csv(directory / "metrics.csv")  # the same rows, values and order, bit for bit
+    assert [line["step"] for line in lines if line["split"] == "train"] == [5, 10, 15, 20, 25, 30]
+    assert [line["step"] for line in lines if line["split"] == "val"] == [10, 20, 30]
+    assert {"loss", "lr", "grad_norm"} <= set(lines[0]["metrics"])
