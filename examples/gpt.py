@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -29,9 +30,13 @@ from torch.utils.data import Dataset
 
 from perdure import ConfigError, Runner, RunnerConfig
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 
 class Config(RunnerConfig):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.steps = 200
         self.seed = 1337
@@ -53,23 +58,23 @@ class Config(RunnerConfig):
         self.data.text = None  # a text file: train on its bytes instead of the synthetic stream
         self.data.seed = 0
 
-    def check_user_keys(self):
+    def check_user_keys(self) -> None:
         if self.model.dim % self.model.heads:
             raise ConfigError("model.dim", self.model.dim, f"use a multiple of model.heads ({self.model.heads})")
         if not 0 <= self.model.dropout < 1:
             raise ConfigError("model.dropout", self.model.dropout, "use a probability in [0, 1)")
 
 
-class TokenWindows(Dataset):
+class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Windows of `block_size + 1` tokens of one stream, every `block_size` tokens: inputs and next-token targets."""
 
-    def __init__(self, tokens: torch.Tensor, block_size: int):
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
         self.tokens, self.block_size = tokens, block_size
 
-    def __len__(self):
+    def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.block_size
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.block_size
         window = self.tokens[start : start + self.block_size + 1]
         return window[:-1], window[1:]
@@ -90,69 +95,73 @@ def synthetic_tokens(count: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, dropout: float):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
         super().__init__()
         self.head_dim = dim // heads
         self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         # Under tensor parallelism q / k / v hold this rank's heads only: the head count follows the local width.
         q, k, v = (lin(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         attention = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(attention.transpose(1, 2).reshape(batch, length, -1))
+        out: torch.Tensor = self.proj(attention.transpose(1, 2).reshape(batch, length, -1))
+        return out
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, dropout: float):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = Attention(dim, heads, dropout)
         self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x)))
-        return x + self.drop(self.out(F.gelu(self.fc(self.norm2(x)))))
+        x = x + self.drop(self.out(F.gelu(self.fc(self.norm2(x)))))
+        return x
 
 
 class GPT(nn.Module):
     """Token + position embedding, blocks in a ModuleDict (named by index, so a stage keeps their names), a head."""
 
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, block_size: int, dropout: float):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, block_size: int, dropout: float) -> None:
         super().__init__()
-        self.tok_emb = nn.Embedding(vocab, dim)
-        self.pos_emb = nn.Embedding(block_size, dim)
+        # None on the pipeline stages that do not hold them (`pipeline_stage`)
+        self.tok_emb: nn.Embedding | None = nn.Embedding(vocab, dim)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(block_size, dim)
         self.drop = nn.Dropout(dropout)
         self.layers = nn.ModuleDict({str(index): Block(dim, heads, dropout) for index in range(layers)})
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(dim)
+        self.head: nn.Linear | None = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A pipeline stage has only some of these parts: the first embeds tokens, the last computes logits.
-        if self.tok_emb is not None:
+        if self.tok_emb is not None and self.pos_emb is not None:
             x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device)))
         for block in self.layers.values():
             x = block(x)
-        if self.head is not None:
+        if self.head is not None and self.norm is not None:
             x = self.head(self.norm(x))
         return x
 
-    def parallelize(self, mesh):
+    def parallelize(self, mesh: DeviceMesh) -> None:
         """Tensor parallelism (Megatron style): q / k / v and fc split by columns, proj and out by rows, so each
         block all-reduces twice; embeddings, norms and the head stay whole (FSDP shards them over the data axes)."""
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         tensor = mesh["tp"]  # the device mesh names its dimensions as TorchTitan does
-        attention = next(iter(self.layers.values())).attn
+        # A ModuleDict's values are typed nn.Module; a block may be wrapped (checkpoint_wrapper forwards attributes).
+        attention = cast(Block, next(iter(self.layers.values()))).attn
         heads = attention.q.out_features // attention.head_dim
         if heads % tensor.size():
             raise ConfigError("parallel.axes.tensor", tensor.size(), f"use a divisor of model.heads ({heads})")
-        plan = {
+        plan: dict[str, ParallelStyle] = {
             "attn.q": ColwiseParallel(),
             "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(),
@@ -185,12 +194,12 @@ class GPT(nn.Module):
 class TokenLoss(nn.Module):
     """Cross-entropy of next-token logits (batch, length, vocab) against targets (batch, length)."""
 
-    def forward(self, logits, targets):
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class GPTRunner(Runner):
-    def __init__(self, config):
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         m, d = config.model, config.data
         if d.text:
@@ -203,8 +212,9 @@ class GPTRunner(Runner):
         self.criterion = TokenLoss()
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+            groups,
             lr=config.optim.lr,
             weight_decay=config.optim.weight_decay,
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -26,9 +27,15 @@ from torch.utils.data import Dataset
 
 from perdure import ConfigError, Runner, RunnerConfig
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from perdure.distributed.topology import Topology
+
 
 class Config(RunnerConfig):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.stack = "parallel"
         self.steps = 100
@@ -47,7 +54,7 @@ class Config(RunnerConfig):
         self.model.rope_theta = 10000.0
         self.data.tokens = 16384
 
-    def check_user_keys(self):
+    def check_user_keys(self) -> None:
         if self.model.dim % (2 * self.model.heads):
             raise ConfigError("model.dim", self.model.dim, f"use a multiple of 2 x model.heads ({self.model.heads})")
 
@@ -64,7 +71,7 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x (batch, length, heads, head_dim) by the position's angles."""
-    even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    even, odd = torch.unflatten(x.float(), -1, (-1, 2)).unbind(-1)
     cos, sin = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2).type_as(x)
 
@@ -74,13 +81,14 @@ class Attention(nn.Module):
     head 1, ...), so a column-wise tensor-parallel shard holds whole heads. Checkpoints see separate `wq`, `wk`, `wv`
     weights (the usual layout): a state-dict post-hook splits the fused weight, a load pre-hook fuses them back."""
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
         self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
-        self.register_state_dict_post_hook(split_qkv)
-        self.register_load_state_dict_pre_hook(fuse_qkv)
+        # torch declares neither method's parameters (mypy --strict: "call to untyped function")
+        self.register_state_dict_post_hook(split_qkv)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(fuse_qkv)  # type: ignore[no-untyped-call]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -88,10 +96,11 @@ class Attention(nn.Module):
         q, k, v = self.wqkv(x).view(batch, length, -1, 3, self.head_dim).unbind(3)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
+        projected: torch.Tensor = self.wo(out.transpose(1, 2).reshape(batch, length, -1))
+        return projected
 
 
-def split_qkv(module: Attention, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+def split_qkv(module: Attention, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]) -> None:
     """State-dict post-hook: `wqkv.weight` becomes `wq.weight`, `wk.weight`, `wv.weight` (each whole: a sharded
     weight is gathered first, so the split does not depend on how it is sharded)."""
     from torch.distributed.tensor import DTensor
@@ -104,7 +113,7 @@ def split_qkv(module: Attention, state_dict: dict, prefix: str, local_metadata: 
         state_dict[f"{prefix}{name}.weight"] = per_head[:, index].reshape(module.heads * module.head_dim, -1).clone()
 
 
-def fuse_qkv(module: Attention, state_dict: dict, prefix: str, *args: object) -> None:
+def fuse_qkv(module: Attention, state_dict: dict[str, Any], prefix: str, *args: object) -> None:
     """Load-state-dict pre-hook: `wq.weight`, `wk.weight`, `wv.weight` become `wqkv.weight`, laid out (and sharded)
     as the module's own weight is."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -124,18 +133,19 @@ def fuse_qkv(module: Attention, state_dict: dict, prefix: str, *args: object) ->
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
         super().__init__()
         self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
         self.attention = Attention(dim, heads)
@@ -143,28 +153,32 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.feed_forward(self.ffn_norm(x))
+        return x
 
 
 class Llama(nn.Module):
     """Embedding, blocks in a ModuleDict (named by index: a pipeline stage keeps their names), norm, output."""
 
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int, seq_len: int, theta: float):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int, seq_len: int, theta: float) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
+        # None on the pipeline stages that do not hold them (`pipeline_stage`)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleDict({str(index): TransformerBlock(dim, heads, hidden) for index in range(layers)})
-        self.norm = nn.RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(dim)
+        self.output: nn.Linear | None = nn.Linear(dim, vocab, bias=False)
         cos, sin = rope_tables(dim // heads, seq_len, theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # recomputed, never saved
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage holds some of these parts: the first embeds the tokens, the last makes the logits.
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h: torch.Tensor = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h)) if self.output is not None else h
+        if self.output is not None and self.norm is not None:
+            h = self.output(self.norm(h))
+        return h
 
     def pipeline_stage(self, stage_index: int, num_stages: int) -> nn.Module:
         """A copy holding this stage's blocks (under their own names), the embedding on the first stage and the norm
@@ -188,16 +202,17 @@ class Llama(nn.Module):
 # ---- how it is parallelised: TorchTitan's functions, with a DeviceMesh whose dimensions have TorchTitan's names ----
 
 
-def apply_tp(model: Llama, tp_mesh, loss_parallel: bool) -> None:
+def apply_tp(model: Llama, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """The tensor-parallel plan: embedding by rows, output by columns (left sharded over the vocabulary when
     `loss_parallel`), norms replicated; per block the fused QKV and w1 / w3 by columns, wo and w2 by rows."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    heads = model.layers[next(iter(model.layers))].attention.heads
+    # A ModuleDict's values are typed nn.Module; a block may be wrapped (checkpoint_wrapper forwards attributes).
+    heads = cast(TransformerBlock, model.layers[next(iter(model.layers))]).attention.heads
     if heads % tp_mesh.size():
         raise ConfigError("parallel.axes.tensor", tp_mesh.size(), f"use a divisor of model.heads ({heads})")
-    root_plan = {}
+    root_plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if model.output is not None:
@@ -205,7 +220,7 @@ def apply_tp(model: Llama, tp_mesh, loss_parallel: bool) -> None:
             output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
         )
     parallelize_module(model, tp_mesh, root_plan)
-    block_plan = {
+    block_plan: dict[str, ParallelStyle] = {
         "attention.wqkv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(),
         "feed_forward.w1": ColwiseParallel(),
@@ -227,17 +242,19 @@ def apply_ac(model: Llama) -> None:
 def apply_compile(model: Llama, backend: str) -> None:
     """`torch.compile` of every block (the compiled module replaces the block)."""
     for name, block in model.layers.named_children():
-        model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True))
+        compiled = torch.compile(block, backend=backend, fullgraph=True)
+        assert isinstance(compiled, nn.Module)  # typed as a callable; a module compiles to an OptimizedModule
+        model.layers.register_module(name, compiled)
 
 
 # ---- data, loss and the runner ------------------------------------------------------------------------------------
 
 
-class TokenWindows(Dataset):
+class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Windows of `seq_len + 1` tokens of a stream drawn from a fixed random bigram table (the same for every split;
     `seed` draws the stream): inputs and targets."""
 
-    def __init__(self, count: int, vocab: int, seq_len: int, seed: int):
+    def __init__(self, count: int, vocab: int, seq_len: int, seed: int) -> None:
         table = (torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)) * 3).softmax(-1)
         generator = torch.Generator().manual_seed(seed)
         tokens = [0]
@@ -245,10 +262,10 @@ class TokenWindows(Dataset):
             tokens.append(int(torch.multinomial(table[tokens[-1]], 1, generator=generator)))
         self.tokens, self.seq_len = torch.tensor(tokens), seq_len
 
-    def __len__(self):
+    def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         window = self.tokens[index * self.seq_len : (index + 1) * self.seq_len + 1]
         return window[:-1], window[1:]
 
@@ -259,7 +276,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaRunner(Runner):
-    def __init__(self, config):
+    topology: Topology  # the parallel stack's; it alone calls the override points below
+
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         m = config.model
         self.model = Llama(m.vocab, m.dim, m.layers, m.heads, m.hidden, m.seq_len, m.rope_theta)
@@ -270,15 +289,18 @@ class LlamaRunner(Runner):
 
     # The parallel stack's override points, each calling the model's own function (stack=parallel only).
 
-    def parallelize_model(self, model, mesh):
+    def parallelize_model(self, model: nn.Module, mesh: DeviceMesh) -> None:
+        assert isinstance(model, Llama)  # the model built in __init__, or a pipeline stage of it
         if self.topology.tensor > 1:
             apply_tp(model, mesh["tp"], loss_parallel=self.config.parallel.loss_parallel)
 
-    def apply_activation_checkpointing(self, model):
+    def apply_activation_checkpointing(self, model: nn.Module) -> None:
+        assert isinstance(model, Llama)
         if self.config.parallel.activation_checkpointing:
             apply_ac(model)
 
-    def apply_compile(self, model):
+    def apply_compile(self, model: nn.Module) -> None:
+        assert isinstance(model, Llama)
         if self.config.compile.enabled:
             apply_compile(model, self.config.compile.backend)
 

@@ -16,9 +16,13 @@ gives the `LlamaConfig` of the same shapes. See docs/checkpoints.md, "Hugging Fa
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from llama import Config, LlamaRunner  # examples/llama.py
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 # The model's names -> Hugging Face Llama's, `{}` the block's index.
 NAMES = {
@@ -49,7 +53,7 @@ def _rename(key: str, table: dict[str, str]) -> str:
 class LlamaStateDictAdapter:
     """examples/llama.py's state dict <-> Hugging Face `LlamaForCausalLM`'s."""
 
-    def __init__(self, heads: int):
+    def __init__(self, heads: int) -> None:
         self.heads = heads
 
     def _permute(self, weight: torch.Tensor, to_hf: bool) -> torch.Tensor:
@@ -73,10 +77,10 @@ class LlamaStateDictAdapter:
 
 
 class HFLlamaRunner(LlamaRunner):
-    def state_dict_adapter(self):
+    def state_dict_adapter(self) -> LlamaStateDictAdapter:
         return LlamaStateDictAdapter(self.config.model.heads)
 
-    def hf_config(self):
+    def hf_config(self) -> LlamaConfig:
         from transformers import LlamaConfig
 
         m = self.config.model
@@ -88,7 +92,7 @@ class HFLlamaRunner(LlamaRunner):
             num_attention_heads=m.heads,
             num_key_value_heads=m.heads,
             max_position_embeddings=m.seq_len,
-            rope_theta=m.rope_theta,
+            rope_parameters={"rope_theta": m.rope_theta, "rope_type": "default"},
             rms_norm_eps=torch.finfo(torch.float32).eps,  # nn.RMSNorm's default eps
             tie_word_embeddings=False,
             architectures=["LlamaForCausalLM"],

@@ -19,6 +19,7 @@ killed at any moment resumes bit for bit, compiled or not.
 import math
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from perdure import ConfigError, Runner, RunnerConfig
 
 
 class Config(RunnerConfig):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.steps = 2000  # optimizer steps
         self.seed = 1337
@@ -56,7 +57,7 @@ class Config(RunnerConfig):
         self.gpt.dropout = 0.2  # dropout in attention, MLP and embeddings
         self.sample.length = 200  # characters generated at the end of training (0: none)
 
-    def check_user_keys(self):
+    def check_user_keys(self) -> None:
         if self.gpt.n_embd % self.gpt.n_head:
             raise ConfigError("gpt.n_embd", self.gpt.n_embd, f"use a multiple of gpt.n_head ({self.gpt.n_head})")
         if not 0 < self.data.val_fraction < 1:
@@ -65,35 +66,35 @@ class Config(RunnerConfig):
             raise ConfigError("data.path", self.data.path, "give a text file, or none for the bundled one")
 
 
-def read_text(path):
+def read_text(path: str | None) -> str:
     """The training text: `path`, or the standard library's `_pydecimal.py`."""
     return Path(path or Path(sysconfig.get_paths()["stdlib"]) / "_pydecimal.py").read_text(encoding="utf-8")
 
 
-class CharWindows(Dataset):
+class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Windows of `block_size` characters and their next-character targets, one every `stride` characters."""
 
-    def __init__(self, tokens, block_size, stride=1):
+    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int = 1) -> None:
         self.tokens, self.block_size, self.stride = tokens, block_size, stride
 
-    def __len__(self):
+    def __len__(self) -> int:
         return (len(self.tokens) - self.block_size - 1) // self.stride + 1
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.stride
         chunk = self.tokens[start : start + self.block_size + 1].long()
         return chunk[:-1], chunk[1:]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd, n_head, dropout):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
         self.proj = nn.Linear(n_embd, n_embd, bias=False)
         self.n_head, self.dropout = n_head, dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
         q, k, v = (
             part.view(batch, time, self.n_head, width // self.n_head).transpose(1, 2)
@@ -101,11 +102,12 @@ class CausalSelfAttention(nn.Module):
         )
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, width)))
+        out: torch.Tensor = self.resid_dropout(self.proj(y.transpose(1, 2).reshape(batch, time, width)))
+        return out
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd, n_head, dropout):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout)
@@ -117,13 +119,16 @@ class Block(nn.Module):
             nn.Dropout(dropout),
         )
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout):
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float
+    ) -> None:
         super().__init__()
         self.block_size, self.n_layer, self.n_head, self.n_embd = block_size, n_layer, n_head, n_embd
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
@@ -138,14 +143,15 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
                 nn.init.normal_(parameter, mean=0.0, std=std)
 
-    def forward(self, idx):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.dropout(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits
 
-    def flops_per_token(self):
+    def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 per parameter (forward and backward; position embeddings excluded, they are
         a lookup) plus attention's 12 x layers x heads x head size x context."""
         parameters = sum(p.numel() for p in self.parameters()) - self.pos_emb.weight.numel()
@@ -153,7 +159,9 @@ class GPT(nn.Module):
 
 
 class CharGPTRunner(Runner):
-    def __init__(self, config):
+    model: GPT  # narrower than the base's `nn.Module | None`
+
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         text = read_text(config.data.path)
         self.chars = sorted(set(text))
@@ -167,32 +175,40 @@ class CharGPTRunner(Runner):
         matrices = [p for p in self.model.parameters() if p.dim() >= 2]
         others = [p for p in self.model.parameters() if p.dim() < 2]
         optim = config.optim
+        groups: list[dict[str, Any]] = [
+            {"params": matrices, "weight_decay": optim.weight_decay},
+            {"params": others, "weight_decay": 0.0},
+        ]
         self.optimizer = torch.optim.AdamW(
-            [{"params": matrices, "weight_decay": optim.weight_decay}, {"params": others, "weight_decay": 0.0}],
+            groups,
             lr=optim.lr,
             betas=tuple(optim.betas),
             eps=optim.eps,
         )
         # no self.scheduler: perdure builds the warmup + cosine schedule from sched.*
 
-    def train_step(self, batch):
+    def train_step(self, batch: Any) -> torch.Tensor:
         inputs, targets = self.to_device(batch)
-        logits = self.model(inputs)
+        logits: torch.Tensor = self.model(inputs)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    def evaluate_step(self, batch):
+    def evaluate_step(self, batch: Any) -> dict[str, torch.Tensor]:
         return {"loss": self.train_step(batch)}
 
-    def batch_tokens(self, batch):
-        return batch[0].numel()
+    def batch_tokens(self, batch: Any) -> int:
+        inputs: torch.Tensor = batch[0]
+        return inputs.numel()
 
-    def flops_per_token(self):
-        return self.unwrap_model().flops_per_token()
+    def flops_per_token(self) -> float:
+        model = self.unwrap_model()
+        assert isinstance(model, GPT)  # the model built in __init__, without the stack's wrappers (compile, DDP)
+        return model.flops_per_token()
 
     @torch.no_grad()
-    def generate(self, length, prompt="\n"):
+    def generate(self, length: int, prompt: str = "\n") -> str:
         """`length` characters sampled after `prompt`, in eager mode (no compile for a growing context)."""
         model = self.unwrap_model()
+        assert isinstance(model, GPT)
         was_training = model.training
         model.eval()
         index = {char: i for i, char in enumerate(self.chars)}

@@ -16,7 +16,9 @@ The model is deliberately small (a bigram-style language model): the subject is 
 
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +30,7 @@ from perdure import Runner, RunnerConfig
 
 
 class Config(RunnerConfig):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.steps = 300
         self.seed = 1337
@@ -42,7 +44,7 @@ class Config(RunnerConfig):
         self.net.width = 64  # embedding width
 
 
-def tokenize(text_path, tokens_path):
+def tokenize(text_path: str | None, tokens_path: str | Path) -> None:
     """Write the text's characters as uint16 tokens (and the vocabulary beside them), once, atomically."""
     tokens_path = Path(tokens_path)
     if tokens_path.exists():
@@ -56,17 +58,17 @@ def tokenize(text_path, tokens_path):
     os.replace(temporary, tokens_path)  # every rank may do this: the content is the same
 
 
-class TokenStream(IterableDataset):
+class TokenStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
     """Windows of `block_size + 1` tokens of a flat uint16 file, this rank's share, in file order, pass after pass."""
 
-    def __init__(self, path, block_size, rank, world_size):
+    def __init__(self, path: str | Path, block_size: int, rank: int, world_size: int) -> None:
         self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
         self.block_size, self.rank, self.world_size = block_size, rank, world_size
         self.windows = (len(self.tokens) - 1) // block_size
         self.window = rank  # the next window this rank reads
         self.passes = 0
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while self.window < self.windows:
             start = self.window * self.block_size
             chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
@@ -74,37 +76,41 @@ class TokenStream(IterableDataset):
             yield chunk[:-1], chunk[1:]
         self.window, self.passes = self.rank, self.passes + 1  # the pass is over: the next one starts at the top
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {"window": self.window, "passes": self.passes}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window, self.passes = state["window"], state["passes"]
 
 
 class Bigram(nn.Module):
-    def __init__(self, vocabulary, width):
+    def __init__(self, vocabulary: int, width: int) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocabulary, width)
         self.head = nn.Linear(width, vocabulary)
 
-    def forward(self, tokens):
-        return self.head(torch.tanh(self.embedding(tokens)))
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.head(torch.tanh(self.embedding(tokens)))
+        return logits
 
 
 class StreamRunner(Runner):
-    def __init__(self, config):
+    model: Bigram  # narrower than the base's `nn.Module | None`
+
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         tokenize(config.data.text, config.data.tokens)
         stream = TokenStream(config.data.tokens, config.data.block_size, self.rank, self.world_size)
         self.datasets["train"] = stream
         self.model = Bigram(int(stream.tokens.max()) + 1, config.net.width)
 
-    def train_step(self, batch):
+    def train_step(self, batch: Any) -> torch.Tensor:
         inputs, targets = self.to_device(batch)
         return F.cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())
 
-    def batch_tokens(self, batch):
-        return batch[0].numel()
+    def batch_tokens(self, batch: Any) -> int:
+        inputs: torch.Tensor = batch[0]
+        return inputs.numel()
 
 
 if __name__ == "__main__":
