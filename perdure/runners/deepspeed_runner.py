@@ -15,7 +15,9 @@ loop as on every stack. The loop's override points map onto the engine:
                                `engine.save_checkpoint` into perdure's staging dir (`checkpoints/deepspeed_engine.py`)
 
 The engine is built when the restore begins, because a DeepSpeed checkpoint can only be loaded into an engine; a
-`--pretrained` load goes into the plain module first, which the engine then partitions.
+`--pretrained` load goes into the plain module first, which the engine then partitions. Under ZeRO-3 the weights are
+opened from their metadata and read one tensor at a time: into a model built partitioned (`init_module`), each rank
+reads only its partition's part of each parameter (`zero3_pretrained.py`), so no rank holds the whole model.
 """
 
 from __future__ import annotations
@@ -33,13 +35,16 @@ from perdure.checkpoints.base import Stateful
 from perdure.checkpoints.deepspeed_engine import DeepSpeedCheckpointManager, EngineState, read_deepspeed_weights
 from perdure.checkpoints.module_state import as_module_state_dict
 from perdure.checkpoints.source import RestoreSource
+from perdure.checkpoints.weights_slices import WeightSlices, open_weight_slices
 from perdure.distributed.collectives import all_ranks
 from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend
 from perdure.runners.compile import strip_compile_prefix, uncompiled
 from perdure.runners.deepspeed_config import engine_config
 from perdure.runners.ema import ExponentialMovingAverage, average_into
+from perdure.runners.pretrained_shards import describe_reads, load_shards, plan_pretrained
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
+from perdure.runners.zero3_pretrained import is_partitioned, load_partitions, whole_shape
 
 
 class DeepSpeedRunner(TorchRunner):
@@ -90,15 +95,40 @@ class DeepSpeedRunner(TorchRunner):
         if isinstance(self.criterion, torch.nn.Module):
             self.criterion.to(self.device)
 
+    def read_pretrained(self, path: Path) -> Any:
+        """Under ZeRO-3 the `--pretrained` weights opened to be read one tensor at a time (`open_weight_slices`: their
+        names, shapes and dtypes now); `restore` checks them against the whole model and each rank reads the parts
+        of its partitions. Under ZeRO 0-2 every stack's (the full state dict: those stages hold whole parameters)."""
+        if self.config.deepspeed.zero_stage != 3:
+            return super().read_pretrained(path)
+        return open_weight_slices(path)
+
     def restore(self, source: RestoreSource) -> None:
         """Called in `__post_init__`, after the loaders are built: builds the engine, then restores as every stack does
-        (a checkpoint through the engine; `--pretrained` weights into the whole module before the engine is built)."""
+        (a checkpoint through the engine; `--pretrained` weights into the module before the engine is built, since
+        the engine takes its flat partitions and master weights from it)."""
         if source.kind == "pretrained":
-            super().restore(source)  # into the whole module, before ZeRO-3 partitions it
+            if self.config.deepspeed.zero_stage == 3:
+                self.logger.info("%s", source.describe())
+                self._load_pretrained_slices(self._pretrained_weights, source.path)
+                del self._pretrained_weights
+            else:
+                super().restore(source)  # into the whole module
             self._build_engine()
         else:
             self._build_engine()
             super().restore(source)
+
+    def _load_pretrained_slices(self, slices: WeightSlices, path: Path) -> None:
+        """ZeRO-3, before the engine is built: names and shapes checked against the whole model (a partitioned
+        parameter's `ds_shape`), then a model built partitioned gets each rank's part of each parameter
+        (`load_partitions`), one built whole every tensor, one at a time (`load_shards`)."""
+        plan = plan_pretrained(self.model, slices, self.state_dict_adapter(), full_shape=whole_shape)
+        if any(is_partitioned(parameter) for parameter in self.model.parameters()):
+            load_partitions(self.model, plan)
+            self.logger.info("%s", describe_reads(plan, path))
+        else:
+            load_shards([self.model], plan)
 
     def _build_engine(self) -> None:
         deepspeed = import_deepspeed()
@@ -230,7 +260,7 @@ class _PartitionedEMA(ExponentialMovingAverage):
         self.decay = ema.decay
         sources = _sources(model)
         # the partitioned parameters by shadow name: what `weights` gathers and `load_state_dict` cuts
-        self._partitioned = {name: tensor for name, tensor in sources.items() if _is_partitioned(tensor)}
+        self._partitioned = {name: tensor for name, tensor in sources.items() if is_partitioned(tensor)}
         self.shadow = {
             name: (tensor.ds_tensor if name in self._partitioned else tensor).detach().clone()
             for name, tensor in sources.items()
@@ -279,9 +309,3 @@ class _PartitionedEMA(ExponentialMovingAverage):
 def _sources(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's state-dict entries by plain name, parameters as themselves (their partitions are read)."""
     return strip_compile_prefix(uncompiled(model).state_dict(keep_vars=True))
-
-
-def _is_partitioned(tensor: torch.Tensor) -> bool:
-    from deepspeed.runtime.zero.partition_parameters import is_zero_param
-
-    return is_zero_param(tensor)

@@ -22,6 +22,7 @@ What a rank reads beyond its shards:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +60,17 @@ class PretrainedPlan:
 
 
 def plan_pretrained(
-    model: nn.Module | list[nn.Module], slices: WeightSlices, adapter: StateDictAdapter | None, whole: bool = True
+    model: nn.Module | list[nn.Module],
+    slices: WeightSlices,
+    adapter: StateDictAdapter | None,
+    whole: bool = True,
+    full_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
 ) -> PretrainedPlan:
     """Map the weights' names into `model`'s (the whole model, or this rank's parts when `whole` is False) and check
     names and shapes, reading no tensor data (except what an adapter computes, after the check). CheckpointError
-    naming the missing, unexpected and mis-shaped keys, as a whole-model load does."""
+    naming the missing, unexpected and mis-shaped keys, as a whole-model load does. `full_shape`: a tensor's whole
+    shape where its `shape` is not (a ZeRO-3 partitioned parameter's `ds_shape`); default its `shape` (a DTensor's is
+    whole)."""
     parts = model if isinstance(model, list) else [model]
     expected: dict[str, Any] = {}
     for part in parts:  # the Parameters themselves: tied names hold the same object
@@ -78,10 +85,15 @@ def plan_pretrained(
                 sources[key], given[key] = sources[twin], given[twin]
             elif twin is not None:
                 made[key], given[key] = made[twin], given[twin]
-    shapes = {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None for key, value in expected.items()}
+    shape_of = full_shape or _shape
+    shapes = {key: shape_of(value) if isinstance(value, torch.Tensor) else None for key, value in expected.items()}
     name = type(parts[0]).__name__ if whole else f"this rank's part of {type(parts[0]).__name__}"
     check_weights_fit(name, shapes, given, slices.path, unexpected_too=whole)
     return PretrainedPlan(slices, sources, _computed(slices, adapter, sources, made))
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)
 
 
 def _model_layout(

@@ -5,6 +5,12 @@ Environment knobs (tests only):
   BUILD         partitioned (default): under `self.init_module()`; eager: built whole on every rank
   LOSS_LOG      append one JSON line per micro-batch: position and the loss as an exact float hex ("{rank}" replaced)
   KILL_AT_STEP  SIGKILL this very process when `global_step` reaches this value (every rank at the same step)
+  NORM          a BatchNorm1d after the first layer (its running statistics are buffers)
+  INITIAL_WEIGHTS  rank 0 writes {"weights": the module's whole parameters and buffers, "master": the engine's fp32
+                   master weights (stack=deepspeed)} there once the runner is built, gathered one at a time
+  PEAK_RSS      each rank writes how far its resident memory rose above the program's start once the runner is built
+                (bytes: VmHWM of /proc/self/status), "{rank}" replaced
+  SETUP_ONLY    build the runner, write the above and stop (no training)
 
 Each rank prints how many parameter values it holds once the model is built.
 """
@@ -16,6 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,8 +38,9 @@ class ZeroInitRunner(Runner):
         partitioned = os.environ.get("BUILD", "partitioned") == "partitioned"
         with self.init_module() if partitioned else contextlib.nullcontext():
             width = config.width
+            norm = [nn.BatchNorm1d(width)] if os.environ.get("NORM") else []
             self.model = nn.Sequential(
-                nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2)
+                nn.Linear(16, width), *norm, nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2)
             )
         held = sum(parameter.numel() for parameter in self.model.parameters())
         print(f"rank {self.rank} holds {held} parameter values once the model is built", flush=True)
@@ -56,5 +64,43 @@ class ZeroInitRunner(Runner):
         return loss
 
 
+def initial_weights(runner):
+    """The module's whole parameters and buffers, and (stack=deepspeed) the engine's fp32 master weights: each
+    partitioned parameter gathered alone (collectives: every rank calls this); kept by rank 0."""
+    module, weights, master = runner.unwrap_model(), {}, {}
+    for name, parameter in module.named_parameters():
+        if runner.config.stack in ("deepspeed", "ds"):
+            import deepspeed
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            with deepspeed.zero.GatheredParameters([parameter]):
+                weights[name] = parameter.detach().clone()
+            master[name] = safe_get_full_fp32_param(parameter).detach().clone()
+        else:
+            weights[name] = parameter.detach().clone()
+    weights.update((name, buffer.detach().clone()) for name, buffer in module.named_buffers())
+    return {"weights": weights, "master": master}
+
+
+def memory(field):
+    """VmRSS (resident now) or VmHWM (peak resident) of this process, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(field)
+
+
 if __name__ == "__main__":
-    ZeroInitRunner(Config().parse()).train()
+    if os.environ.get("PEAK_RSS"):
+        # The peak from here on: a process forked from the test zygote starts with the zygote's pages and peak.
+        Path("/proc/self/clear_refs").write_text("5")
+        START_RSS = memory("VmRSS")
+    runner = ZeroInitRunner(Config().parse())
+    if os.environ.get("PEAK_RSS"):
+        Path(os.environ["PEAK_RSS"].replace("{rank}", str(runner.rank))).write_text(str(memory("VmHWM") - START_RSS))
+    if os.environ.get("INITIAL_WEIGHTS"):
+        initial = initial_weights(runner)
+        if runner.rank == 0:
+            torch.save(initial, os.environ["INITIAL_WEIGHTS"])
+    if not os.environ.get("SETUP_ONLY"):
+        runner.train()
