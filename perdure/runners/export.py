@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from perdure.atomic import atomic_write, atomic_write_by_name
+from perdure.checkpoints.export_stream import Planned, stream_order, write_streamed
 from perdure.checkpoints.weights_read import read_weights
 from perdure.errors import CheckpointError, ConfigError, PerdureError
 from perdure.runners.compile import strip_compile_prefix
 
-__all__ = ["EXPORT_DTYPES", "cast_weights", "export_weights", "read_weights", "save_safetensors"]
+__all__ = ["EXPORT_DTYPES", "cast_weights", "export_streamed", "export_weights", "read_weights", "save_safetensors"]
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,3 +62,38 @@ def save_safetensors(weights: dict[str, Any], path: Path, dtype: str | None, met
         tensors[name] = tensor
     atomic_write_by_name(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
     return path
+
+
+def export_streamed(
+    state: Mapping[str, Any],
+    whole: Callable[[Any], torch.Tensor],
+    formats: Sequence[str],
+    paths: dict[str, Path] | None,
+    dtype: str | None,
+    metadata: dict[str, str],
+) -> None:
+    """Write the export of a sharded `state` tensor by tensor (`checkpoints/export_stream.py`): on every rank, since
+    `whole(value)` (a value of `state` made whole, a DTensor's `full_tensor()`) may be a collective; `paths` (format ->
+    file) on the rank that writes, None on the others. Names, dtypes and shapes come from `state`'s metadata, cast to
+    `dtype` as `export_weights` casts; the writing rank holds one whole tensor at a time."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ConfigError("ckpt.export_dtype", dtype, f"use one of {', '.join(EXPORT_DTYPES)} or leave it unset")
+    target = EXPORT_DTYPES[dtype] if dtype else None
+    planned = []
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"weight {name!r} is a {type(value).__name__}, not a tensor; an export holds tensors")
+        cast = target if target is not None and value.is_floating_point() else value.dtype
+        planned.append(Planned(name, cast, tuple(value.shape)))
+    ordered = stream_order(planned, [fmt for fmt in formats if fmt in ("pth", "safetensors")])
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for entry in ordered:
+            tensor = whole(state[entry.name]).detach()
+            yield tensor.to("cpu", entry.dtype)
+
+    if paths is None:
+        for entry in ordered:
+            whole(state[entry.name])
+        return
+    write_streamed(paths, planned, tensors(), metadata)

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
-from perdure.checkpoints.module_state import full_module_state_dict
+from perdure.checkpoints.module_state import full_module_state_dict, module_state_dict
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
 from perdure.checkpoints.source import RestoreSource
@@ -468,12 +468,20 @@ class ParallelRunner(TorchRunner):
         )
 
     def export_model(self) -> Path | None:
-        """Gather the full weights of the whole model (each part's state dict through its hooks, DTensors gathered;
-        with a pipeline, each stage's from the rank at its position 0 of the data and model axes) and write them on
-        rank 0. With one stage, rank 0 alone keeps the gathered tensors; with a pipeline, the first rank of each stage
-        needs its stage's to send them on."""
-        rank0_only = self.topology.pipeline == 1
-        gathered = self._full_weights(lambda part: full_module_state_dict(part, rank0_only), self.model_parts)
+        """Write the full weights of the whole model (each part's state dict through its hooks) on rank 0. With one
+        pipeline stage, streamed (`stream_exports`): one DTensor gathered at a time (a collective), written and
+        dropped before the next, so rank 0 holds one whole tensor, never the whole model; the EMA's shadows the same
+        way. With a pipeline, each stage's weights are gathered from the rank at its position 0 of the data and model
+        axes to rank 0 (`_full_weights`), which then holds the whole model while it writes."""
+        if self.topology.pipeline == 1:
+            state: dict[str, Any] = {}
+            for part in self.model_parts:
+                state.update(module_state_dict(part))
+            states = {"model": state}
+            if self.ema is not None:
+                states["model-ema"] = dict(self.ema.shadow)
+            return self.stream_exports(states, _whole)
+        gathered = self._full_weights(lambda part: full_module_state_dict(part, False), self.model_parts)
         ema = None
         if self.ema is not None:
             ema = self._full_weights(lambda shadow: _full_tensors(shadow), [self.ema.shadow])
@@ -482,11 +490,11 @@ class ParallelRunner(TorchRunner):
         return self.write_exports(gathered, ema)
 
     def _full_weights(self, full: Any, sources: list[Any]) -> dict[str, torch.Tensor]:
+        """With a pipeline: each stage's full weights (`full(source)` on every rank, a collective) sent by the stage's
+        first rank to rank 0, which merges them; {} on the other ranks."""
         weights: dict[str, torch.Tensor] = {}
         for source in sources:
             weights.update(full(source))
-        if self.topology.pipeline == 1:
-            return {key: value.cpu() for key, value in weights.items()} if self.is_main_process else {}
         sends = self.topology.stream_leader(self.rank) == self.rank and self.topology.data_rank(self.rank) == 0
         local = {key: value.cpu() for key, value in weights.items()} if sends else {}
         received: list[Any] | None = [None] * self.world_size if self.is_main_process else None
@@ -495,6 +503,11 @@ class ParallelRunner(TorchRunner):
         for part in received or []:
             merged.update(part)
         return merged
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered into a full tensor (a collective over its mesh); any other tensor as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,6 +11,8 @@ Environment knobs (tests only):
   INITIAL_WEIGHTS  rank 0 writes the whole model's weights and buffers there once the runner is built (before any step)
   PEAK_RSS         each rank writes how far its resident memory rose above its start (bytes: the peak from the start
                    of the program to the model built, sharded and materialised; /proc/self/status), "{rank}" replaced
+  EXPORT_RSS       each rank writes how far its resident memory rose during the final export (bytes: the peak from the
+                   export's start, when the peak is reset, over the resident memory then), "{rank}" replaced
   SETUP_ONLY       build the runner, write the above and stop (no training)
   HF_ADAPTER       the runner maps Hugging Face weights through examples/llama_hf.py's `LlamaStateDictAdapter`
   FUSED_STATE      the state dict holds each attention's fused `wqkv` as the model does: its hooks that split it into
@@ -103,6 +105,14 @@ class TestRunner(llama.LlamaRunner):
         if os.environ.get("PEAK_RSS"):  # the model is built, sharded and (on meta) materialised now
             path = Path(os.environ["PEAK_RSS"].replace("{rank}", str(self.rank)))
             path.write_text(str(memory("VmHWM") - START_RSS))
+
+    def write_final_exports(self):
+        if not os.environ.get("EXPORT_RSS"):
+            return super().write_final_exports()
+        Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+        start = memory("VmRSS")
+        super().write_final_exports()
+        Path(os.environ["EXPORT_RSS"].replace("{rank}", str(self.rank))).write_text(str(memory("VmHWM") - start))
 
     def forward_backward(self, window):
         if self.state.global_step == int(os.environ.get("KILL_AT_STEP", "-1")):
