@@ -7,6 +7,9 @@ A checkpoint directory holds
                                         (`client_state`); ZeRO 0-2: written by data-parallel rank 0
       zero_pp_rank_{r}_mp_rank_00_model_states.pt    the same per rank under ZeRO-3 (weights partitioned)
       [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt   rank r's optimizer partition (ZeRO 1-3, bf16)
+    <key>.pth                         a `StreamedState` (the ZeRO-3 EMA: `ema.pth`), its whole tensors written one at a
+                                      time by rank 0 (a torch.save file); the client_state keeps its small rest and
+                                      the file's name
     zero_to_fp32.py, zero_to_torch.py DeepSpeed's recovery scripts (rank 0, whenever ZeRO files are written)
     rank{r:05d}.pth                   rank-local state: RNGs and data position (every rank)
     config.yaml, manifest.json        as with every backend
@@ -22,6 +25,7 @@ derived checkpoint beside it (see `deepspeed_universal.py`).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import io
 import logging
@@ -37,7 +41,7 @@ from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, wri
 from perdure.checkpoints.deepspeed_files import TAG, check_engine_files, check_tag_dir
 from perdure.checkpoints.deepspeed_universal import UniversalSource, prune_derived
 from perdure.checkpoints.file import _save, local_file, read_local_states
-from perdure.checkpoints.safe_unpickle import deepspeed_loads_restricted, deepspeed_refusal
+from perdure.checkpoints.safe_unpickle import deepspeed_loads_restricted, deepspeed_refusal, load_torch_file
 from perdure.errors import CheckpointError
 
 logger = logging.getLogger("perdure")
@@ -60,6 +64,28 @@ class EngineState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise CheckpointError("the DeepSpeed engine's state is loaded by the deepspeed checkpoint backend only")
+
+
+class StreamedState(abc.ABC):
+    """A replicated state no rank should hold whole at once (the ZeRO-3 EMA's whole shadows): instead of pickling its
+    `state_dict()` into the engine's client_state, the backend has every rank call `write_tensors` (a collective: its
+    tensors made whole one at a time, written by rank 0 into `<key>.pth` of the checkpoint) and keeps only
+    `small_state()` in the client_state, with the file's name under `STREAMED_FILE`."""
+
+    @abc.abstractmethod
+    def write_tensors(self, path: Path | None) -> None:
+        """On every rank: write the whole tensors to the torch.save file `path` (rank 0; None on the others)."""
+
+    @abc.abstractmethod
+    def small_state(self) -> dict[str, Any]:
+        """What the client_state keeps: everything but the tensors."""
+
+    @abc.abstractmethod
+    def load_tensors(self, small: dict[str, Any], path: Path) -> None:
+        """Restore from `small_state()`'s dict and the file `path` (read through the allow-list), every rank."""
+
+
+STREAMED_FILE = "streamed_file"
 
 
 class DeepSpeedCheckpointManager(CheckpointManager):
@@ -103,7 +129,10 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         self, states: Mapping[str, Stateful], local_states: Mapping[str, Stateful]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The engine stays itself (it writes its files in `write`); every other object gives its state dict."""
-        replicated = {key: state if key == "engine" else state.state_dict() for key, state in states.items()}
+        replicated = {
+            key: state if key == "engine" or isinstance(state, StreamedState) else state.state_dict()
+            for key, state in states.items()
+        }
         return replicated, {key: state.state_dict() for key, state in local_states.items()}
 
     def write(self, staging: Path, replicated: dict[str, Any], local: dict[str, Any]) -> dict[str, FileRecord]:
@@ -113,11 +142,22 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         if not isinstance(holder, EngineState):
             raise CheckpointError("the deepspeed checkpoint backend saves a DeepSpeed engine: use stack=deepspeed")
         engine = holder.engine
-        client = {key: value for key, value in replicated.items() if key != "engine"}
+        client: dict[str, Any] = {}
+        streamed: dict[str, FileRecord] = {}
+        for key, value in replicated.items():
+            if isinstance(value, StreamedState):  # every rank, in the same order: collectives
+                name = f"{key}.pth"
+                value.write_tensors(staging / name if self.rank == 0 else None)
+                if self.rank == 0:
+                    streamed[name] = hash_file(staging / name)
+                client[key] = {**value.small_state(), STREAMED_FILE: name}
+            elif key != "engine":
+                client[key] = value
         io = recording_io(engine)
         # Collective (DeepSpeed barriers inside): every rank is here, in the training loop, at the same step.
         engine.save_checkpoint(str(staging), tag=TAG, client_state={CLIENT_KEY: client}, save_latest=False)
         files = io.take_records(staging)
+        files.update(streamed)
         if self.rank == 0:
             for script in RECOVERY_SCRIPTS:
                 if (staging / script).is_file():
@@ -145,7 +185,11 @@ class DeepSpeedCheckpointManager(CheckpointManager):
             raise CheckpointError(f"checkpoint {path}/{TAG} holds no perdure state in its client_state")
         for key, state in states.items():  # the mapping's order is the restore order; the engine is loaded already
             if key != "engine" and key in replicated:
-                state.load_state_dict(replicated[key])
+                value = replicated[key]
+                if isinstance(state, StreamedState) and isinstance(value, dict) and STREAMED_FILE in value:
+                    state.load_tensors(value, _streamed_file(path, key, value[STREAMED_FILE]))
+                else:  # a StreamedState saved whole before (its state_dict) loads as such
+                    state.load_state_dict(value)
         return read_local_states(path, self.rank, local_states)
 
     def _load_engine(self, path: Path, engine: Any, universal: bool = False) -> dict[str, Any]:
@@ -174,6 +218,24 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         if load_path is None:  # DeepSpeed only warns when it finds nothing; perdure never goes on from nothing
             raise CheckpointError(f"DeepSpeed found no engine checkpoint in {path / TAG}")
         return client
+
+
+def _streamed_file(path: Path, key: str, name: Any) -> Path:
+    """The file of a `StreamedState` named in a checkpoint's client_state: `<key>.pth` in the checkpoint
+    directory, nothing else."""
+    if name != f"{key}.pth":
+        raise CheckpointError(f"checkpoint {path} names {name!r} as the file of its {key!r} state, not {key}.pth")
+    return Path(path) / name
+
+
+def read_streamed(path: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a `StreamedState`'s file, read through the allow-list (`mmap`: mapped, not read)."""
+    content = load_torch_file(path, mmap=mmap)
+    if not isinstance(content, dict) or not all(
+        isinstance(name, str) and isinstance(tensor, torch.Tensor) for name, tensor in content.items()
+    ):
+        raise CheckpointError(f"{path} does not hold a dict of tensors")
+    return content
 
 
 # Settings that may differ between a checkpoint and the run continuing it: the global batch follows the world size.
@@ -222,6 +284,8 @@ def read_deepspeed_weights(path: Path, ema: bool = False) -> dict[str, torch.Ten
     first = min(model_files, key=lambda file: (len(file.name), file.name))  # rank 0's: mp_rank_00 or zero_pp_rank_0
     if ema:
         client = load_deepspeed_file(first).get(CLIENT_KEY) or {}
+        if isinstance(client.get("ema"), dict) and STREAMED_FILE in client["ema"]:  # written tensor by tensor
+            return read_streamed(_streamed_file(Path(path), "ema", client["ema"][STREAMED_FILE]))
         shadow = client.get("ema", {}).get("shadow") if isinstance(client.get("ema"), dict) else None
         if not isinstance(shadow, dict):
             raise CheckpointError(f"checkpoint {path} holds no EMA weights (it was trained with ema.enabled=false)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from perdure.loggers.console import get_logger
 from perdure.resilience.grace import GraceCheck, find_grace
 from perdure.resilience.hang_watch import watched_phase
 from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
-from perdure.runners.export import export_streamed, export_weights, read_weights, save_safetensors
+from perdure.runners.export import StreamSource, export_streamed, export_weights, read_weights, save_safetensors
 from perdure.runners.hf_export import check_hf_export, export_hf, hf_metadata, hf_requested
 from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
@@ -382,11 +381,11 @@ class CheckpointingMixin:
                 written.append(save_safetensors(state, self.run_dir.path / f"{name}.safetensors", dtype, metadata))
         return written[0] if written else None
 
-    def stream_exports(self, states: dict[str, dict[str, Any]], whole: Callable[[Any], torch.Tensor]) -> Path | None:
-        """`write_exports` for sharded weights, tensor by tensor: `states` maps `model` / `model-ema` to a state dict
-        whose values `whole(value)` makes whole (a collective, so every rank calls this); the main process writes each
-        tensor into every format of `ckpt.export_format` as it arrives and holds one at a time, never the whole model
-        (`runners/export.py` `export_streamed`). Returns what `write_exports` returns."""
+    def stream_exports(self, sources: dict[str, StreamSource]) -> Path | None:
+        """`write_exports` for sharded weights, tensor by tensor: `sources` maps `model` / `model-ema` to weights each
+        made whole one tensor at a time (`StreamSource`: a collective, so every rank calls this); the main process
+        writes each tensor into every format of `ckpt.export_format` as it arrives and holds one at a time, never the
+        whole model (`runners/export.py` `export_streamed`). Returns what `write_exports` returns."""
         dtype, formats = self.config.ckpt.export_dtype, self.config.ckpt.export_format
         formats = [formats] if isinstance(formats, str) else formats
         formats = [fmt for fmt in ("pth", "safetensors") if fmt in formats]
@@ -394,9 +393,9 @@ class CheckpointingMixin:
         if self.is_main_process:  # published with the file, as write_exports does
             metadata = {"format": "pt", "run": self.run_dir.run_id, "checkpoint": self._position_name()}
         written = []
-        for name, state in states.items():
+        for name, source in sources.items():
             paths = {fmt: self.run_dir.path / f"{name}.{fmt}" for fmt in formats} if self.is_main_process else None
-            export_streamed(state, whole, formats, paths, dtype, metadata)
+            export_streamed(source, formats, paths, dtype, metadata)
             written.extend((paths or {}).values())
         return written[0] if written else None
 

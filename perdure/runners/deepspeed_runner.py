@@ -32,16 +32,24 @@ import torch
 import torch.distributed as dist
 
 from perdure.checkpoints.base import Stateful
-from perdure.checkpoints.deepspeed_engine import DeepSpeedCheckpointManager, EngineState, read_deepspeed_weights
+from perdure.checkpoints.deepspeed_engine import (
+    DeepSpeedCheckpointManager,
+    EngineState,
+    StreamedState,
+    read_deepspeed_weights,
+    read_streamed,
+)
 from perdure.checkpoints.module_state import as_module_state_dict
 from perdure.checkpoints.source import RestoreSource
 from perdure.checkpoints.weights_slices import WeightSlices, open_weight_slices
 from perdure.distributed.collectives import all_ranks
 from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend
+from perdure.errors import CheckpointError
 from perdure.runners.compile import strip_compile_prefix, uncompiled
 from perdure.runners.deepspeed_config import engine_config
 from perdure.runners.ema import ExponentialMovingAverage, average_into
+from perdure.runners.export import StreamSource, export_streamed
 from perdure.runners.pretrained_shards import describe_reads, load_shards, plan_pretrained
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
 from perdure.runners.zero3_pretrained import is_partitioned, load_partitions, whole_shape
@@ -204,8 +212,19 @@ class DeepSpeedRunner(TorchRunner):
         applied), written by the main process; EMA as on the torch stack. Under ZeRO-3 a collective: the engine's fp32
         master copy is gathered one parameter at a time (`_gathered_fp32_weights`), not read from every rank's optimizer
         files; under ZeRO 1-2 DeepSpeed's zero-to-fp32 routine reads the checkpoint just committed (its files through
-        the allow-list)."""
+        the allow-list).
+
+        Under ZeRO-3, when the module's state dict holds its own parameters and buffers (no hook renamed into a new
+        tensor or fused them: `_streamed_fp32_weights`), the export streams: each parameter's master copy (and each
+        EMA shadow) is gathered and written into every format before the next, so rank 0 holds one whole parameter
+        at a time; with such hooks, the whole weights are gathered first (the hooks need them all)."""
         stage = self.engine.zero_optimization_stage()
+        source = self._streamed_fp32_weights() if stage == 3 else None
+        if source is not None and (self.ema is None or isinstance(self.ema, _PartitionedEMA)):
+            sources = {"model": source}
+            if self.ema is not None:
+                sources["model-ema"] = self.ema.stream_source()
+            return self.stream_exports(sources)
         weights = self._gathered_fp32_weights() if stage == 3 else None
         written = None
         if self.is_main_process:
@@ -220,6 +239,41 @@ class DeepSpeedRunner(TorchRunner):
             if self.is_main_process:
                 self.write_exports(None, ema)
         return written
+
+    def _streamed_fp32_weights(self) -> StreamSource | None:
+        """ZeRO-3: the module's state dict as a `StreamSource` whose `whole(name)` gathers that one parameter's fp32
+        master copy (a collective, as in `_gathered_fp32_weights`; a frozen parameter from the module's partitions,
+        in its own dtype) or gives the buffer; None when an entry of `state_dict()` is no parameter or buffer of the
+        module (a hook made or fused it: it needs the whole weights)."""
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = uncompiled(self.engine.module)
+        parameters = {id(tensor): tensor for tensor in module.parameters()}
+        buffers = {id(tensor) for tensor in module.buffers()}
+        entries = strip_compile_prefix(module.state_dict(keep_vars=True))
+        shapes = {}
+        for name, value in entries.items():
+            parameter = parameters.get(id(value))
+            if parameter is not None:
+                dtype = torch.float32 if parameter.requires_grad else parameter.dtype
+                shapes[name] = (dtype, tuple(parameter.ds_shape if is_partitioned(parameter) else parameter.shape))
+            elif isinstance(value, torch.Tensor) and id(value) in buffers:
+                shapes[name] = (value.dtype, tuple(value.shape))
+            else:
+                return None
+
+        def whole(name: str) -> torch.Tensor:
+            value = entries[name]
+            if id(value) not in parameters:
+                return value.detach()
+            full = safe_get_full_fp32_param(value) if value.requires_grad else None
+            if full is None:  # a frozen parameter has no master copy: its own partitions, gathered
+                with deepspeed.zero.GatheredParameters([value]):
+                    full = value.detach().clone()
+            return full
+
+        return StreamSource(shapes, whole)
 
     def _gathered_fp32_weights(self) -> dict[str, torch.Tensor] | None:
         """ZeRO-3, on every rank (collective): the fp32 master weights of the engine's module keyed by parameter name,
@@ -245,14 +299,16 @@ class DeepSpeedRunner(TorchRunner):
         return weights
 
 
-class _PartitionedEMA(ExponentialMovingAverage):
+class _PartitionedEMA(ExponentialMovingAverage, StreamedState):
     """The EMA under ZeRO-3: each rank averages only its own partition of every parameter (DeepSpeed's flat, padded
     `ds_tensor`), so no rank holds whole shadows while it trains; buffers, whole on every rank, are averaged whole.
     The average is taken element by element as the whole shadows' was, so the values are the same bit for bit.
 
-    `state_dict()` and `weights()` give whole shadows (the checkpoint's layout is unchanged: any number of ranks and
-    `read_deepspeed_weights` read it), gathered one parameter at a time: collectives, every rank calls them together
-    (the checkpoint's save, the export). A loaded whole shadow is cut to this rank's partition."""
+    Whole shadows are made one parameter at a time (`whole`: a collective, every rank calls it together): a checkpoint
+    holds them in `ema.pth`, written by rank 0 as each is gathered (`StreamedState`; mapped when read back, each rank
+    copying its partition; any number of ranks and `read_deepspeed_weights` read it), and so do the exports
+    (`stream_source`). `state_dict()` and `weights()` give them all at once (a checkpoint written before
+    holds them so in its client_state, and loads as before)."""
 
     def __init__(self, ema: ExponentialMovingAverage, model: torch.nn.Module) -> None:
         """`ema`'s decay; the shadows taken from `model`'s partitions (a model built partitioned (`init_module`)
@@ -292,18 +348,43 @@ class _PartitionedEMA(ExponentialMovingAverage):
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Whole shadows, each gathered alone from every rank's partition (collective)."""
-        whole = {}
+        return {name: self.whole(name) for name in self.shadow}
+
+    def whole(self, name: str) -> torch.Tensor:
+        """The whole shadow `name`, gathered from every rank's partition (collective), or the buffer's own."""
+        shadow, parameter = self.shadow[name], self._partitioned.get(name)
+        if parameter is None:
+            return shadow
+        group = parameter.ds_process_group
+        pieces = [torch.empty_like(shadow) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, shadow, group=group)
+        return torch.cat(pieces)[: parameter.ds_numel].view(parameter.ds_shape)
+
+    def stream_source(self) -> StreamSource:
+        """The whole shadows to stream into a file, one at a time (their shapes from the parameters' `ds_shape`)."""
+        shapes = {}
         for name, shadow in self.shadow.items():
             parameter = self._partitioned.get(name)
-            if parameter is None:
-                whole[name] = shadow
-                continue
-            group = parameter.ds_process_group
-            pieces = [torch.empty_like(shadow) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(pieces, shadow, group=group)
-            whole[name] = torch.cat(pieces)[: parameter.ds_numel].view(parameter.ds_shape)
-            del pieces
-        return whole
+            shapes[name] = (shadow.dtype, tuple(shadow.shape if parameter is None else parameter.ds_shape))
+        return StreamSource(shapes, self.whole)
+
+    def write_tensors(self, path: Path | None) -> None:
+        export_streamed(self.stream_source(), ["pth"], None if path is None else {"pth": path}, None, {})
+
+    def small_state(self) -> dict[str, Any]:
+        return {"decay": self.decay}
+
+    def load_tensors(self, small: dict[str, Any], path: Path) -> None:
+        """The whole shadows mapped from `path`, not read: each rank copies its partition of each (the pages it
+        touches), one shadow at a time."""
+        shadows = read_streamed(path, mmap=True)
+        if set(shadows) != set(self.shadow):
+            missing, unexpected = sorted(set(self.shadow) - set(shadows)), sorted(set(shadows) - set(self.shadow))
+            raise CheckpointError(
+                f"{path} does not hold this EMA's shadows: missing {missing}, unexpected {unexpected}"
+            )
+        for name in self.shadow:
+            self.load_state_dict({"shadow": {name: shadows[name]}})
 
 
 def _sources(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,15 @@ from perdure.checkpoints.weights_read import read_weights
 from perdure.errors import CheckpointError, ConfigError, PerdureError
 from perdure.runners.compile import strip_compile_prefix
 
-__all__ = ["EXPORT_DTYPES", "cast_weights", "export_streamed", "export_weights", "read_weights", "save_safetensors"]
+__all__ = [
+    "EXPORT_DTYPES",
+    "cast_weights",
+    "StreamSource",
+    "export_streamed",
+    "export_weights",
+    "read_weights",
+    "save_safetensors",
+]
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,36 +73,53 @@ def save_safetensors(weights: dict[str, Any], path: Path, dtype: str | None, met
     return path
 
 
+@dataclass(frozen=True)
+class StreamSource:
+    """Weights to stream into an export without holding them whole: each tensor's dtype and whole shape by name
+    (known from metadata: a DTensor's global shape, a ZeRO-3 parameter's `ds_shape`), and `whole(name)`, which makes
+    that one tensor whole (a collective where it is sharded: every rank calls it, for every name, in the same order)."""
+
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    whole: Callable[[str], torch.Tensor]
+
+    @classmethod
+    def of_state(cls, state: Mapping[str, Any], whole: Callable[[Any], torch.Tensor]) -> StreamSource:
+        """A state dict whose tensors carry their whole shapes (DTensors, plain tensors); `whole(value)`."""
+        shapes = {}
+        for name, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"weight {name!r} is a {type(value).__name__}, not a tensor; an export holds tensors"
+                )
+            shapes[name] = (value.dtype, tuple(value.shape))
+        return cls(shapes, lambda name: whole(state[name]))
+
+
 def export_streamed(
-    state: Mapping[str, Any],
-    whole: Callable[[Any], torch.Tensor],
+    source: StreamSource,
     formats: Sequence[str],
     paths: dict[str, Path] | None,
     dtype: str | None,
     metadata: dict[str, str],
 ) -> None:
-    """Write the export of a sharded `state` tensor by tensor (`checkpoints/export_stream.py`): on every rank, since
-    `whole(value)` (a value of `state` made whole, a DTensor's `full_tensor()`) may be a collective; `paths` (format ->
-    file) on the rank that writes, None on the others. Names, dtypes and shapes come from `state`'s metadata, cast to
-    `dtype` as `export_weights` casts; the writing rank holds one whole tensor at a time."""
+    """Write the export of `source` tensor by tensor (`checkpoints/export_stream.py`): on every rank, since
+    `source.whole` may be a collective; `paths` (format -> file) on the rank that writes, None on the others. Floating
+    tensors cast to `dtype` as `export_weights` casts; the writing rank holds one whole tensor at a time."""
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ConfigError("ckpt.export_dtype", dtype, f"use one of {', '.join(EXPORT_DTYPES)} or leave it unset")
     target = EXPORT_DTYPES[dtype] if dtype else None
-    planned = []
-    for name, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"weight {name!r} is a {type(value).__name__}, not a tensor; an export holds tensors")
-        cast = target if target is not None and value.is_floating_point() else value.dtype
-        planned.append(Planned(name, cast, tuple(value.shape)))
+    planned = [
+        Planned(name, target if target is not None and kind.is_floating_point else kind, shape)
+        for name, (kind, shape) in source.shapes.items()
+    ]
     ordered = stream_order(planned, [fmt for fmt in formats if fmt in ("pth", "safetensors")])
 
     def tensors() -> Iterator[torch.Tensor]:
         for entry in ordered:
-            tensor = whole(state[entry.name]).detach()
-            yield tensor.to("cpu", entry.dtype)
+            yield source.whole(entry.name).detach().to("cpu", entry.dtype)
 
     if paths is None:
         for entry in ordered:
-            whole(state[entry.name])
+            source.whole(entry.name)
         return
     write_streamed(paths, planned, tensors(), metadata)

@@ -45,6 +45,7 @@ from perdure.distributed.process_group import init_process_group, select_backend
 from perdure.distributed.topology import FSDP_CONTEXT_MESH, Topology, device_mesh
 from perdure.errors import ConfigError, PerdureError
 from perdure.runners.ema import ExponentialMovingAverage
+from perdure.runners.export import StreamSource
 from perdure.runners.loss_parallel import local_loss, loss_context
 from perdure.runners.meta_init import check_initialisable, is_meta_model
 from perdure.runners.parallelize import (
@@ -477,10 +478,10 @@ class ParallelRunner(TorchRunner):
             state: dict[str, Any] = {}
             for part in self.model_parts:
                 state.update(module_state_dict(part))
-            states = {"model": state}
+            sources = {"model": StreamSource.of_state(state, _whole)}
             if self.ema is not None:
-                states["model-ema"] = dict(self.ema.shadow)
-            return self.stream_exports(states, _whole)
+                sources["model-ema"] = StreamSource.of_state(dict(self.ema.shadow), _whole)
+            return self.stream_exports(sources)
         gathered = self._full_weights(lambda part: full_module_state_dict(part, False), self.model_parts)
         ema = None
         if self.ema is not None:
