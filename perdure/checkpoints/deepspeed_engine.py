@@ -149,7 +149,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
                 name = f"{key}.pth"
                 value.write_tensors(staging / name if self.rank == 0 else None)
                 if self.rank == 0:
-                    streamed[name] = hash_file(staging / name)
+                    streamed[name] = hash_file(staging / name, chunk=1 << 20)  # no 8 MB buffer: a bounded save
                 client[key] = {**value.small_state(), STREAMED_FILE: name}
             elif key != "engine":
                 client[key] = value
@@ -161,7 +161,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
         if self.rank == 0:
             for script in RECOVERY_SCRIPTS:
                 if (staging / script).is_file():
-                    files[script] = hash_file(staging / script)
+                    files[script] = hash_file(staging / script, chunk=1 << 20)  # not an 8 MB buffer on rank 0
         name = local_file(self.rank)
         files[name] = write_file(staging / name, lambda f: _save(local, f))
         return files

@@ -11,6 +11,10 @@ Environment knobs (tests only):
   PEAK_RSS      each rank writes how far its resident memory rose above the program's start once the runner is built
                 (bytes: VmHWM of /proc/self/status), "{rank}" replaced
   SETUP_ONLY    build the runner, write the above and stop (no training)
+  EXPORT_RSS, CHECKPOINT_RSS  each rank writes how far its resident memory rose during the final export / during its
+                last checkpoint save (bytes: the peak from the phase's start, when the peak is reset, over the resident
+                memory then), "{rank}" replaced
+  --depth N     N more Linear(width, width) + ReLU after the first ReLU (resumable.py's key; default 0: none)
 
 Each rank prints how many parameter values it holds once the model is built.
 """
@@ -39,8 +43,9 @@ class ZeroInitRunner(Runner):
         with self.init_module() if partitioned else contextlib.nullcontext():
             width = config.width
             norm = [nn.BatchNorm1d(width)] if os.environ.get("NORM") else []
+            hidden = [layer for _ in range(config.depth) for layer in (nn.Linear(width, width), nn.ReLU())]
             self.model = nn.Sequential(
-                nn.Linear(16, width), *norm, nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2)
+                nn.Linear(16, width), *norm, nn.ReLU(), *hidden, nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2)
             )
         held = sum(parameter.numel() for parameter in self.model.parameters())
         print(f"rank {self.rank} holds {held} parameter values once the model is built", flush=True)
@@ -49,6 +54,24 @@ class ZeroInitRunner(Runner):
         self.loss_log = os.environ.get("LOSS_LOG", "").replace("{rank}", str(self.rank))
         self.kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
         self._position, self._micro = None, 0
+
+    def save_checkpoint(self, reason):
+        return self._measured("CHECKPOINT_RSS", lambda: super(ZeroInitRunner, self).save_checkpoint(reason), True)
+
+    def write_final_exports(self):
+        return self._measured("EXPORT_RSS", lambda: super(ZeroInitRunner, self).write_final_exports(), False)
+
+    def _measured(self, knob, phase, saved):
+        """`phase()`; with the knob set, how far this rank's resident memory rose during it, written to its file (with
+        `saved`, only when it returned a checkpoint: a call that found the step saved already writes nothing)."""
+        if not os.environ.get(knob):
+            return phase()
+        Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+        start = memory("VmRSS")
+        result = phase()
+        if result is not None or not saved:
+            Path(os.environ[knob].replace("{rank}", str(self.rank))).write_text(str(memory("VmHWM") - start))
+        return result
 
     def train_step(self, batch):
         if self.state.global_step == self.kill_at:
