@@ -9,8 +9,10 @@ processes, one per rank, launched as torchrun would. Each rank reads its residen
 baseline) and its peak resident memory (`VmHWM`, /proc/self/status) after each phase: `construct` (the model
 built in the program's `__init__`), `build` (the runner built: sharding or partitioning, materialisation, the
 state-dict check, DeepSpeed's engine), `step` (one optimizer step), `checkpoint` (one checkpoint committed: DCP or
-DeepSpeed's engine files) and `export` (model.pth, which gathers the whole model on rank 0). The table gives the
-largest rise over the ranks as a multiple of M; on a GPU the JSON also holds each phase's
+DeepSpeed's engine files) and `export` (model.pth; with `--ema` model-ema.pth too). The table gives the largest rise
+over the ranks as a multiple of M; `ckpt alone` and `export alone` are the rise of that phase alone over the resident
+memory at its start (VmHWM reset there through /proc/self/clear_refs), which a cumulative peak reached earlier (the
+step's) would hide; on a GPU the JSON also holds each phase's
 `torch.cuda.max_memory_allocated` (`gpu_over_M`; not measured here: this machine has no GPU).
 
 The sharded training state of a rank is 4 M / world_size (fp32 parameters, gradients and AdamW's two moments: each
@@ -51,6 +53,8 @@ CASES = {
 }
 ALLOCATORS = {"default": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 PHASES = ("construct", "build", "step", "checkpoint", "export")
+OWN = ("checkpoint", "export")  # phases also measured alone: their rise over the resident memory at their start
+HEADER = ["case", "ranks", "allocator", *PHASES, "ckpt alone", "export alone", "state", "target"]
 
 
 def DEEPSPEED_BUCKETS(width: int) -> dict[str, Any]:  # noqa: N802  (a table, as a function of the width)
@@ -92,9 +96,21 @@ def worker(case: str, width: int, depth: int, root: str, out: str, ema: bool = F
     peaks: dict[str, Any] = {"start": memory("VmRSS")}
 
     def note(phase: str) -> None:
-        peaks[phase] = memory("VmHWM")
+        # the peak since the program's start: VmHWM, or the last phase's when a phase of its own reset VmHWM
+        peaks[phase] = max([memory("VmHWM"), *(peaks[p] for p in PHASES if p in peaks)])
         if cuda:
             peaks[f"{phase}_gpu"] = torch.cuda.max_memory_allocated()
+
+    def own_start(phase: str) -> None:
+        """The rise of `phase` alone, from here: VmHWM reset to the resident memory now (what the phases before
+        left resident does not hide what this one adds)."""
+        note(f"before_{phase}")
+        Path("/proc/self/clear_refs").write_text("5")
+        peaks[f"{phase}_from"] = memory("VmRSS")
+
+    def own_end(phase: str) -> None:
+        peaks[f"{phase}_own"] = memory("VmHWM") - peaks[f"{phase}_from"]
+        note(phase)
 
     class Wide(nn.Module):
         def __init__(self) -> None:
@@ -124,14 +140,16 @@ def worker(case: str, width: int, depth: int, root: str, out: str, ema: bool = F
             return applied
 
         def save_checkpoint(self, reason: str) -> Path | None:
+            own_start("checkpoint")
             path = super().save_checkpoint(reason)
             if path is not None:
-                note("checkpoint")
+                own_end("checkpoint")
             return path
 
         def write_final_exports(self) -> None:
+            own_start("export")
             super().write_final_exports()
-            note("export")
+            own_end("export")
 
     config = RunnerConfig()
     config.stack, config.steps, config.seed = stack, 1, 0
@@ -217,6 +235,11 @@ def main() -> None:
                 for phase in PHASES
                 if all(phase in peaks for peaks in per_rank)
             }
+            own = {
+                phase: max(peaks[f"{phase}_own"] for peaks in per_rank) / model_bytes
+                for phase in OWN
+                if all(f"{phase}_own" in peaks for peaks in per_rank)
+            }
             gpu = {
                 phase: max(peaks[f"{phase}_gpu"] for peaks in per_rank) / model_bytes
                 for phase in PHASES
@@ -224,14 +247,16 @@ def main() -> None:
             }
             state = 4 / ranks
             bound = 5 / ranks + 0.1
-            results[f"{case}/{allocator}"] = {"ranks": per_rank, "rise_over_M": rises, "gpu_over_M": gpu}
+            results[f"{case}/{allocator}"] = {"ranks": per_rank, "rise_over_M": rises, "own_rise_over_M": own,
+                                              "gpu_over_M": gpu}  # fmt: skip
             setting = "glibc default" if allocator == "default" else "MALLOC_MMAP_THRESHOLD_=131072"
-            rows.append([case, ranks, setting, *(rises.get(phase, float("nan")) for phase in PHASES), state, bound])
+            rows.append([case, ranks, setting, *(rises.get(phase, float("nan")) for phase in PHASES),
+                         *(own.get(phase, float("nan")) for phase in OWN), state, bound])  # fmt: skip
             if build == "init_module":
                 targets.append(target(f"{case} ({setting}) checkpoint peak / M", rises["checkpoint"], "<=", bound))
-            print(format_table(["case", "ranks", "allocator", *PHASES, "state", "target"], rows[-1:]), flush=True)
+            print(format_table(HEADER, rows[-1:]), flush=True)
     print()
-    print(format_table(["case", "ranks", "allocator", *PHASES, "state", "target"], rows))
+    print(format_table(HEADER, rows))
     print(format_targets(targets))
     note = load_note()
     if note:
