@@ -95,7 +95,10 @@ def serve(bind: str, *, announce: Callable[[str], None] = print, **options: int)
             f"{options.get('heartbeat_timeout_ms', DEFAULT_HEARTBEAT_TIMEOUT_MS)} ms); groups join with "
             f"--ft.lighthouse {where}"
         )
-        stop.wait()
+        # Polled, not one wait: a SIGTERM the kernel hands to one of torchft's threads only marks the handler
+        # pending, and a main thread blocked in one long wait would never run it (scancel's SIGTERM was lost so).
+        while not stop.wait(0.2):
+            pass
     finally:
         server.shutdown()
         announce("lighthouse stopped")

@@ -8,6 +8,7 @@ The real `perdure ft lighthouse` and a real replica group are started; what each
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -97,3 +98,24 @@ def test_a_group_on_loopback_listens_on_loopback_only(tmp_path):
         stop_lighthouse(server)
     assert len(ports) >= 3, ports  # the manager, the store, the state server a healing group downloads from
     assert all(address in (LOOPBACK_V4, LOOPBACK_V6) for address, _ in ports), ports
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="calls tgkill by its x86-64 system call number")
+def test_a_sigterm_that_lands_on_a_torchft_thread_still_stops_the_lighthouse():
+    """The kernel hands a signal sent to the process to any of its threads; one of the Rust server's threads is
+    chosen here on purpose (tgkill), as scancel's SIGTERM sometimes is. The lighthouse must stop all the same."""
+    import ctypes
+
+    process = lighthouse("--bind", "127.0.0.1:0")
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("lighthouse listening on"), line
+        threads = [int(tid) for tid in os.listdir(f"/proc/{process.pid}/task") if int(tid) != process.pid]
+        assert threads, "torchft's server runs threads of its own"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(234, process.pid, threads[0], signal.SIGTERM) == 0  # 234: tgkill on x86-64
+        output, errors = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0 and "lighthouse stopped" in output, (output, errors)
