@@ -34,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
-from perdure.checkpoints.module_state import full_module_state_dict, module_state_dict
+from perdure.checkpoints.module_state import module_state_dict
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
 from perdure.checkpoints.source import RestoreSource
@@ -469,48 +469,52 @@ class ParallelRunner(TorchRunner):
         )
 
     def export_model(self) -> Path | None:
-        """Write the full weights of the whole model (each part's state dict through its hooks) on rank 0. With one
-        pipeline stage, streamed (`stream_exports`): one DTensor gathered at a time (a collective), written and
-        dropped before the next, so rank 0 holds one whole tensor, never the whole model; the EMA's shadows the same
-        way. With a pipeline, each stage's weights are gathered from the rank at its position 0 of the data and model
-        axes to rank 0 (`_full_weights`), which then holds the whole model while it writes."""
-        if self.topology.pipeline == 1:
-            state: dict[str, Any] = {}
-            for part in self.model_parts:
-                state.update(module_state_dict(part))
-            sources = {"model": StreamSource.of_state(state, _whole)}
-            if self.ema is not None:
-                sources["model-ema"] = StreamSource.of_state(dict(self.ema.shadow), _whole)
-            return self.stream_exports(sources)
-        gathered = self._full_weights(lambda part: full_module_state_dict(part, False), self.model_parts)
-        ema = None
+        """Write the full weights of the whole model (each part's state dict through its hooks) on rank 0, streamed
+        (`stream_exports`): one DTensor gathered at a time (a collective), written and dropped before the next, so
+        rank 0 holds one whole tensor, never the whole model; the EMA's shadows the same way. With a pipeline, each
+        tensor is gathered by its stage's ranks and sent to rank 0 by the stage's first rank (`_stage_source`)."""
+        state: dict[str, Any] = {}
+        for part in self.model_parts:
+            state.update(module_state_dict(part))
+        states = {"model": state}
         if self.ema is not None:
-            ema = self._full_weights(lambda shadow: _full_tensors(shadow), [self.ema.shadow])
-        if not self.is_main_process:
-            return None
-        return self.write_exports(gathered, ema)
+            states["model-ema"] = dict(self.ema.shadow)
+        if self.topology.pipeline == 1:
+            return self.stream_exports({name: StreamSource.of_state(value, _whole) for name, value in states.items()})
+        return self.stream_exports({name: self._stage_source(value) for name, value in states.items()})
 
-    def _full_weights(self, full: Any, sources: list[Any]) -> dict[str, torch.Tensor]:
-        """With a pipeline: each stage's full weights (`full(source)` on every rank, a collective) sent by the stage's
-        first rank to rank 0, which merges them; {} on the other ranks."""
-        weights: dict[str, torch.Tensor] = {}
-        for source in sources:
-            weights.update(full(source))
+    def _stage_source(self, state: dict[str, Any]) -> StreamSource:
+        """With a pipeline: `state` (this rank's stage's) as a `StreamSource` over the whole model's tensors. The
+        names, dtypes and shapes of every stage come from the rank at position 0 of its data and model axes (every
+        rank learns them all: an all-gather of metadata); `whole(name)` is gathered by the ranks of the stage
+        holding it (its mesh) and sent by that stage's first rank to rank 0 (point to point, one tensor at a time)."""
         sends = self.topology.stream_leader(self.rank) == self.rank and self.topology.data_rank(self.rank) == 0
-        local = {key: value.cpu() for key, value in weights.items()} if sends else {}
-        received: list[Any] | None = [None] * self.world_size if self.is_main_process else None
-        dist.gather_object(local, received, dst=0)
-        merged: dict[str, torch.Tensor] = {}
-        for part in received or []:
-            merged.update(part)
-        return merged
+        mine = StreamSource.of_state(state, _whole).shapes if sends else {}
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        owners: dict[str, int] = {}
+        shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for rank, part in enumerate(everyone):
+            for name, shape in part.items():
+                owners[name], shapes[name] = rank, shape
+        transport = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+        def whole(name: str) -> torch.Tensor:
+            value = _whole(state[name]) if name in state else None  # the stage's ranks gather it together
+            owner = owners[name]
+            if owner == 0 or self.rank not in (0, owner):
+                return value if value is not None else torch.empty(0)
+            if self.rank == owner:
+                dist.send(value.detach().contiguous().to(transport), dst=0)
+                return value
+            dtype, shape = shapes[name]
+            received = torch.empty(shape, dtype=dtype, device=transport)
+            dist.recv(received, src=owner)
+            return received
+
+        return StreamSource(shapes, whole)
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered into a full tensor (a collective over its mesh); any other tensor as it is."""
     return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every DTensor of a state dict gathered into a full tensor (collective over its mesh), the rest as is."""
-    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
