@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -66,7 +67,9 @@ def browser(tmp_path_factory):
 
 
 def wait(driver, condition, what: str, timeout: float = 30):
-    return WebDriverWait(driver, timeout).until(lambda d: condition(d), message=f"waiting for {what}")
+    # The runs table is drawn again at each poll (every 5 s): an element found just before may be gone; look again.
+    waiting = WebDriverWait(driver, timeout, ignored_exceptions=(StaleElementReferenceException,))
+    return waiting.until(lambda d: condition(d), message=f"waiting for {what}")
 
 
 def row(driver, run_id: str):
@@ -78,7 +81,7 @@ def visible_ids(driver) -> list[str]:
 
 
 def select_run(driver, run_id: str) -> None:
-    row(driver, run_id).find_element(By.CSS_SELECTOR, "input.select").click()
+    wait(driver, lambda d: row(d, run_id).find_element(By.CSS_SELECTOR, "input.select").click() or True, "a click")
     wait(driver, lambda d: "selected" in row(d, run_id).get_attribute("class"), f"{run_id} selected")
 
 
