@@ -8,6 +8,7 @@ Where the tests write: under /dev/shm when it is a tmpfs with room (`pytest_conf
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     disks (a virtual disk that discards on unlink) that was a third of a two-rank DCP launch, and two workers' fsyncs
     queue behind each other. tmpfs keeps every other behaviour a test checks (atomic renames, pointers, kills in the
     middle of a write: a SIGKILL loses what a process did not write, not what the disk did not sync). The directory is
-    emptied at the start of each session, as pytest does with any `--basetemp`, so it never holds more than one."""
+    one folder per running session (by pid), removed by the next session once its pytest has ended."""
     if config.option.basetemp or os.environ.get("PYTEST_XDIST_WORKER"):
         return  # set by the user; or a pytest-xdist worker, which gets its own folder inside the controller's
     try:
@@ -52,5 +53,11 @@ def pytest_configure(config: pytest.Config) -> None:
         mounted = {line.split()[1]: line.split()[2] for line in Path("/proc/mounts").read_text().splitlines()}
     except OSError:
         return
-    if mounted.get(str(SHARED_MEMORY)) == "tmpfs" and stats.f_bavail * stats.f_frsize >= ROOM_NEEDED:
-        config.option.basetemp = str(SHARED_MEMORY / f"perdure-tests-{os.getuid()}")
+    if mounted.get(str(SHARED_MEMORY)) != "tmpfs" or stats.f_bavail * stats.f_frsize < ROOM_NEEDED:
+        return
+    sessions = SHARED_MEMORY / f"perdure-tests-{os.getuid()}"
+    sessions.mkdir(mode=0o700, exist_ok=True)
+    for earlier in sessions.iterdir():  # one folder per session, named by its pid: sessions may run side by side
+        if earlier.name.isdigit() and not Path(f"/proc/{earlier.name}").exists():
+            shutil.rmtree(earlier, ignore_errors=True)
+    config.option.basetemp = str(sessions / str(os.getpid()))
