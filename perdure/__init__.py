@@ -22,6 +22,7 @@ from perdure.errors import (
     RunStuckError,
     StackNotAvailableError,
     UnsafeFileError,
+    WeightsMisfitError,
     WorkspaceError,
 )
 from perdure.ft.runner import FaultTolerant
@@ -76,6 +77,7 @@ __all__ = [
     "StateDictAdapter",
     "TorchRunner",
     "UnsafeFileError",
+    "WeightsMisfitError",
     "WorkspaceError",
     "plain_state_dict",
     "strip_compile_prefix",

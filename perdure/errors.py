@@ -29,6 +29,11 @@ class CheckpointError(PerdureError):
     """A checkpoint cannot be used (missing, corrupt, or made by a different config)."""
 
 
+class WeightsMisfitError(CheckpointError):
+    """Weights whose names or shapes do not fit the model. Refused from their metadata, before any tensor is read; as
+    `--pretrained` of a new run, bad input refused before anything is written (no run directory, no failed attempt)."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint directory failed verification. `reason` says which file and how."""
 

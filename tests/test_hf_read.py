@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perdure import CheckpointError, PerdureError
+from perdure import CheckpointError, PerdureError, WeightsMisfitError
 from perdure.checkpoints.weights_read import check_safetensors_header, is_hf_source, read_weights
 from perdure.cli import main as cli
 from tests.runs import run_dir
@@ -140,8 +140,9 @@ def test_a_torchtitan_style_llama_starts_from_hugging_face_llama_weights_through
     runner.close()
 
     # Without the adapter the Hugging Face names do not fit, and the refusal names them.
-    with pytest.raises(CheckpointError, match=r"do not fit Llama: \d+ missing: tok_embeddings.weight"):
+    with pytest.raises(WeightsMisfitError, match=r"do not fit Llama: \d+ missing: tok_embeddings.weight"):
         llama.LlamaRunner(config("plain", pretrained=str(source)))
+    assert not list((tmp_path / "runs").glob("*/plain*")), "bad --pretrained input: refused before anything is written"
 
 
 def safetensors_bytes(header: object, data: bytes = b"", length: int | None = None) -> bytes:

@@ -31,7 +31,7 @@ from perdure.checkpoints.commit import MANIFEST_NAME, POINTERS
 from perdure.checkpoints.file import REPLICATED_FILE
 from perdure.checkpoints.resolve import resolve_path
 from perdure.checkpoints.safe_unpickle import load_torch_file
-from perdure.errors import CheckpointError
+from perdure.errors import CheckpointError, WeightsMisfitError
 from perdure.runners.compile import strip_compile_prefix
 from perdure.safe_io import UnsafeFileError, check_real_path, loads_json, open_regular, read_regular, safe_name
 
@@ -323,7 +323,7 @@ def check_weights_fit(
     unexpected_too: bool = True,
 ) -> None:
     """Refuse weights whose names and shapes (`given`, None for an entry that is no tensor) do not fit the model's
-    (`expected`) with a CheckpointError naming the missing, unexpected and mis-shaped keys (the first few of each,
+    (`expected`) with a WeightsMisfitError naming the missing, unexpected and mis-shaped keys (the first few of each,
     and how many). Shapes only: it runs on a file's metadata before any tensor is read. `unexpected_too`: False when
     `expected` is part of the model (a pipeline stage), whose other parts hold the keys it lacks."""
     missing = [key for key in expected if key not in given]
@@ -339,7 +339,7 @@ def check_weights_fit(
             shown = ", ".join(items[:MISMATCHES_SHOWN]) + (", ..." if len(items) > MISMATCHES_SHOWN else "")
             problems.append(f"{len(items)} {what}: {shown}")
     if problems:
-        raise CheckpointError(
+        raise WeightsMisfitError(
             f"the weights in {source} do not fit {model_name}: {'; '.join(problems)}. Give weights of the "
             "same architecture (a checkpoint or model.pth of this model)"
         )

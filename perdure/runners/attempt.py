@@ -22,7 +22,7 @@ from typing import Any
 from perdure.checkpoints.save_errors import free_bytes, human_bytes, what_failed
 from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.distributed.collectives import broadcast_object
-from perdure.errors import ConfigError, PerdureError, RunStuckError, WorkspaceError
+from perdure.errors import ConfigError, PerdureError, RunStuckError, WeightsMisfitError, WorkspaceError
 from perdure.loggers.console import attach_log_file, detach_log_file
 from perdure.resilience.crash_loop import STUCK_EXIT, is_retry, refuse_if_stuck
 from perdure.resilience.hang_watch import HangVerdict
@@ -257,13 +257,16 @@ class AttemptMixin:
         """A setup (`__init__` / `__post_init__`) raised after the run was decided: record a failed attempt with the
         error (run dir, sidecar, log file), so the failure shows in `perdure runs ls`; then release everything.
         Runners built by `from_checkpoint` (to look at a run) record nothing, nor does a `ConfigError` (bad input,
-        refused before anything is written: e.g. a model the parallel stack cannot split as configured). Never masks
+        refused before anything is written: e.g. a model the parallel stack cannot split as configured; `--pretrained`
+        weights that do not fit the model). Never masks
         `error`."""
         if "telemetry" not in self.__dict__:  # the run was not decided: nothing to record, nothing held
             if "_early_records" in self.__dict__:
                 self.logger.removeHandler(self._early_records)
             return
-        if isinstance(error, ConfigError):
+        if isinstance(error, ConfigError) or (
+            isinstance(error, WeightsMisfitError) and self.restore_source.kind == "pretrained"
+        ):  # bad input: `--pretrained` weights of another architecture (a new run: there was no checkpoint)
             self._release()
             return
         try:
