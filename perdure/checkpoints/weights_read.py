@@ -29,7 +29,7 @@ import torch
 
 from perdure.checkpoints.commit import MANIFEST_NAME, POINTERS
 from perdure.checkpoints.file import REPLICATED_FILE
-from perdure.checkpoints.resolve import resolve_path
+from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.safe_unpickle import load_torch_file
 from perdure.errors import CheckpointError, WeightsMisfitError
 from perdure.runners.compile import strip_compile_prefix
@@ -83,7 +83,12 @@ def _read(path: Path, ema: bool, mmap: bool) -> dict[str, torch.Tensor]:
         if files[0].suffix != ".safetensors":
             return _tensors(_load(files[0], named=named, mmap=mmap), files[0])
         return {name: tensor for file in files for name, tensor in read_safetensors(file, named=named).items()}
-    info = resolve_path(path)
+    return read_checkpoint_weights(resolve_path(path), ema, mmap=mmap)
+
+
+def read_checkpoint_weights(info: CheckpointInfo, ema: bool = False, *, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """The model (`ema`: EMA) weights of the resolved, verified checkpoint `info` (`resolve_path`), of any
+    backend, with the names it stores (`read_weights` removes compile prefixes)."""
     if info.manifest.get("backend") == "dcp":
         from perdure.checkpoints.dcp import read_dcp_weights
 

@@ -13,7 +13,11 @@ every tensor's name, shape and dtype, and `read(name, region)` then reads one re
       checkpoint's `state.pth`)         only touched where a region is copied. The pages a rank touched belong to the
                                         file's page cache and count in its resident memory until the load ends (the
                                         mapping is dropped then): its regions, never the whole file
-    a DCP or DeepSpeed checkpoint     read whole (`read_weights`), then sliced: each rank holds the full weights while
+    a DCP checkpoint (`--ckpt.       its `.metadata` only (the allow-listed unpickler); a region is read with DCP's
+      backend dcp`: a checkpoint,       own resharding, only the stored chunks that overlap it (`dcp_slices.py`); many
+      checkpoints or run dir, a         regions at once with `read_into`, one pass over the shard files
+      `latest` / `best` pointer)
+    a DeepSpeed checkpoint            read whole (`read_weights`), then sliced: each rank holds the full weights while
                                         they load
 
 Names are plain (`torch.compile`'s `_orig_mod.` removed), as `read_weights` gives them.
@@ -21,14 +25,21 @@ Names are plain (`torch.compile`'s `_orig_mod.` removed), as `read_weights` give
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from perdure.checkpoints.weights_read import check_safetensors_header, is_hf_source, read_weights, weight_files
+from perdure.checkpoints.resolve import resolve_path
+from perdure.checkpoints.weights_read import (
+    check_safetensors_header,
+    is_hf_source,
+    read_checkpoint_weights,
+    read_weights,
+    weight_files,
+)
 from perdure.errors import CheckpointError
-from perdure.runners.compile import plain_name
+from perdure.runners.compile import plain_name, strip_compile_prefix
 
 # safetensors' dtype names (those `check_safetensors_header` admits) -> torch dtypes
 SAFETENSORS_DTYPES = {
@@ -44,18 +55,40 @@ Region = tuple[slice, ...]
 class WeightSlices:
     """The tensors at a path as names, shapes and dtypes (`shapes`, `dtypes`), read one region at a time (`read`).
     `path`: what was opened; `hf`: whether the names are in the Hugging Face layout (`is_hf_source`), so a runner's
-    `state_dict_adapter()` maps them first."""
+    `state_dict_adapter()` maps them first. `bytes_read`: what has been read so far: the regions' own sizes, or, for
+    a form that reads in larger units (`DCPSlices`: whole stored chunks), what its reader took from the files."""
 
     def __init__(self, path: Path, shapes: Mapping[str, torch.Size], dtypes: Mapping[str, torch.dtype]) -> None:
         self.path = path
         self.shapes = dict(shapes)
         self.dtypes = dict(dtypes)
         self.hf = is_hf_source(path)
+        self.bytes_read = 0
 
     def read(self, name: str, region: Region | None = None) -> torch.Tensor:
         """Tensor `name`, or its `region` (one slice per dimension, steps of 1): a tensor to copy from (it may be a
         view of a mapped file). KeyError for a name `shapes` does not hold."""
+        tensor = self.read_region(name, region)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def read_region(self, name: str, region: Region | None) -> torch.Tensor:
+        """`read`, uncounted: each form's own."""
         raise NotImplementedError
+
+    def read_into(self, requests: Sequence[tuple[str, Region | None, torch.Tensor]]) -> None:
+        """Copy each (name, region, target) request's tensor or region into its target (shaped as the region); a
+        form that reads many regions better together than one by one (`DCPSlices`) does."""
+        for name, region, target in requests:
+            target.copy_(self.read(name, region))
+
+    def total_bytes(self) -> int:
+        """The size of all the weights (as stored: their shapes and dtypes)."""
+        return sum(shape.numel() * self.dtypes[name].itemsize for name, shape in self.shapes.items())
+
+    def describe_read(self, bytes_read: int) -> str:
+        """What a rank that read `bytes_read` (`read_into`'s count) read, for the log."""
+        return f"read {bytes_read:,} of the {self.total_bytes():,} bytes of the weights (the regions of its shards)"
 
 
 class SafetensorsSlices(WeightSlices):
@@ -74,7 +107,7 @@ class SafetensorsSlices(WeightSlices):
                 self.files[plain] = (file, name)
         super().__init__(path, shapes, dtypes)
 
-    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
+    def read_region(self, name: str, region: Region | None) -> torch.Tensor:
         file, stored = self.files[name]
         try:
             from safetensors import safe_open
@@ -96,7 +129,7 @@ class TensorSlices(WeightSlices):
         super().__init__(path, {k: v.shape for k, v in tensors.items()}, {k: v.dtype for k, v in tensors.items()})
         self.tensors = dict(tensors)
 
-    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
+    def read_region(self, name: str, region: Region | None) -> torch.Tensor:
         tensor = self.tensors[name]
         return tensor if region is None else tensor[region]
 
@@ -110,7 +143,14 @@ def open_weight_slices(path: Path, ema: bool = False) -> WeightSlices:
     files = weight_files(path, ema)
     if files is not None and files[0].suffix == ".safetensors":
         return SafetensorsSlices(path, files, named=files == [path])
-    return TensorSlices(path, read_weights(path, ema, mmap=True))  # DCP and DeepSpeed: read whole
+    if files is not None:
+        return TensorSlices(path, read_weights(path, ema, mmap=True))
+    info = resolve_path(path)
+    if info.manifest.get("backend") == "dcp":
+        from perdure.checkpoints.dcp_slices import DCPSlices  # a process that never reads DCP never imports it
+
+        return DCPSlices(path, info.path, info.manifest.get("files"), ema)
+    return TensorSlices(path, strip_compile_prefix(read_checkpoint_weights(info, ema, mmap=True)))  # read whole
 
 
 def region_of(shape: torch.Size, offset: tuple[int, ...], local_shape: tuple[int, ...]) -> Region:

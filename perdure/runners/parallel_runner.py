@@ -420,8 +420,9 @@ class ParallelRunner(TorchRunner):
 
     def read_pretrained(self, path: Path) -> WeightSlices:
         """The `--pretrained` weights opened to be read slice by slice (`open_weight_slices`): their names, shapes and
-        dtypes now (a safetensors header, a mapped torch.save file); `distribute_model` checks them against the whole
-        model and each rank reads the regions of its shards once it holds them (`pretrained_shards.py`)."""
+        dtypes now (a safetensors header, a mapped torch.save file, a DCP `.metadata`); `distribute_model` checks
+        them against the whole model and each rank reads the regions of its shards once it holds them
+        (`pretrained_shards.py`)."""
         return open_weight_slices(path)
 
     def restore(self, source: RestoreSource) -> None:

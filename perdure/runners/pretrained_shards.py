@@ -54,9 +54,23 @@ class PretrainedPlan:
         if key in self.computed:
             whole = self.computed[key]
             return whole if region is None else whole[region]
+        before = self.slices.bytes_read
         tensor = self.slices.read(self.sources[key], region)
-        self.bytes_read += tensor.numel() * tensor.element_size()
+        self.bytes_read += self.slices.bytes_read - before
         return tensor
+
+    def read_into(self, requests: list[tuple[str, Region | None, torch.Tensor]]) -> None:
+        """Copy each (model key, region, target) request into its target: the computed entries from the adapter's
+        tensors, the others read together (`WeightSlices.read_into`: one pass over a DCP checkpoint's files)."""
+        sourced = []
+        for key, region, target in requests:
+            if key in self.computed:
+                target.copy_(self.read(key, region))
+            else:
+                sourced.append((self.sources[key], region, target))
+        before = self.slices.bytes_read
+        self.slices.read_into(sourced)
+        self.bytes_read += self.slices.bytes_read - before
 
 
 def plan_pretrained(
@@ -138,8 +152,9 @@ def load_shards(parts: list[nn.Module], plan: PretrainedPlan) -> None:
     """Copy each rank's regions of the weights into its shards of `parts` (sharded, materialised), then load each
     part's state dict back through its hooks (a collective where a hook gathers or distributes: every rank calls
     it)."""
-    for part in parts:
-        held = module_state_dict(part)
+    helds = [module_state_dict(part) for part in parts]
+    requests = []
+    for held in helds:
         for key, value in held.items():
             if not isinstance(value, torch.Tensor):
                 continue
@@ -158,15 +173,12 @@ def load_shards(parts: list[nn.Module], plan: PretrainedPlan) -> None:
                     )
                 region = region_of(value.shape, tuple(offset), tuple(local_shape))
             if target.numel():
-                target.copy_(plan.read(key, region))
+                requests.append((key, region, target))
+    plan.read_into(requests)
+    for part, held in zip(parts, helds, strict=True):
         load_module_state_dict(part, held)
 
 
 def describe_reads(plan: PretrainedPlan, path: Path) -> str:
     """One line for the log: how much of the weights rank 0 (this rank) read."""
-    total = sum(
-        shape.numel() * torch.empty((), dtype=plan.slices.dtypes[name]).element_size()
-        for name, shape in plan.slices.shapes.items()
-    )
-    read = f"rank 0 read {plan.bytes_read:,} of the {total:,} bytes of the weights (the regions of its shards)"
-    return f"--pretrained {path}: {read}"
+    return f"--pretrained {path}: rank 0 {plan.slices.describe_read(plan.bytes_read)}"

@@ -6,13 +6,18 @@ FSDP2 (2 ranks) and FSDP2 x TP (4 ranks) start from weights bit-equal to a 1-pro
 torch stack (the whole file read, then `load_state_dict`); a 2-rank FSDP2 rank's peak resident memory rises by less
 than a quarter of the model over the same launch without `--pretrained` (measured: 3.8 and 4.6 MB; reading the whole
 file on every rank, as before, rose by 44 and 31 MB); a file with a missing key and a tensor of another shape is
-refused naming both, from its header alone: that tensor's 4 GiB of data are a hole in a sparse file, never read; and
+refused naming both, from its header alone: that tensor's 4 GiB of data are a hole in a sparse file, never read;
 a sharded `save_pretrained` directory of a Hugging Face Llama loads through the runner's adapter (renamed tensors read
-by region, permuted ones computed whole) and the model's own split / fuse hooks."""
+by region, permuted ones computed whole) and the model's own split / fuse hooks; and a DCP checkpoint (`--ckpt.backend
+dcp`, `perdure/checkpoints/dcp_slices.py`), written by 1 process or 2 FSDP2 ranks, loads into 2-rank FSDP2 bit-equal
+to the whole read, rank 0 reading only the stored chunks that overlap its shards (measured by the reader: its halves
+of a 2-rank checkpoint), and one of another width is refused from its `.metadata` alone."""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -20,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from perdure.checkpoints.commit import MANIFEST_NAME, hash_file, read_manifest
 from perdure.checkpoints.weights_read import read_weights
 from tests.runs import assert_all_ok, assert_same_weights, built_once, run_dir, run_ranks
 
@@ -38,12 +44,12 @@ def initial_weights(path):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """The reference run's `model.safetensors`, and the weights a 1-process torch-stack `--pretrained` load of it
-    starts from."""
+    """The reference run's `model.safetensors` (its final DCP checkpoint holds the same weights), and the weights a
+    1-process torch-stack `--pretrained` load of it starts from."""
 
     def build(directory):
         assert_all_ok(run_ranks(1, "meta_llama.py", directory / "reference", *COMMON, *MODEL, "--steps", "1",
-                                "--ckpt.export_format", "safetensors", **ENV))  # fmt: skip
+                                "--ckpt.export_format", "safetensors", "--ckpt.backend", "dcp", **ENV))  # fmt: skip
         source = run_dir(directory / "reference") / "model.safetensors"
         assert_all_ok(run_ranks(1, "meta_llama.py", directory / "one", *COMMON, *MODEL, "--stack", "torch",
                                 "--pretrained", str(source), SETUP_ONLY="1", INITIAL_WEIGHTS=directory / "one.pt",
@@ -145,3 +151,68 @@ def test_a_sharded_hugging_face_directory_loads_through_the_adapter_and_the_hook
     assert_all_ok(results)
     expected = LlamaStateDictAdapter(2).from_hf(published.state_dict())
     assert_same_weights(expected, initial_weights(tmp_path / "initial.pt"))
+
+
+@pytest.fixture(scope="module")
+def fsdp2_dcp(tmp_path_factory):
+    """A 1-step 2-rank FSDP2 run with the DCP backend: its final checkpoint stores each tensor in two halves (dim 0),
+    one per rank, as a 2-rank FSDP2 model holds them."""
+
+    def build(directory):
+        assert_all_ok(run_ranks(2, "meta_llama.py", directory / "reference", *COMMON, *MODEL, "--steps", "1",
+                                "--ckpt.backend", "dcp", **ENV))  # fmt: skip
+
+    return run_dir(built_once(tmp_path_factory, "pretrained-shards-dcp", build) / "reference")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("writer", ["one-process", "fsdp2"])
+def test_a_dcp_checkpoint_loads_shard_by_shard(exported, fsdp2_dcp, writer, tmp_path):
+    """`--pretrained RUN_DIR` of a DCP run on a 2-rank FSDP2 model: each rank reads, through DCP's resharding, only
+    the stored chunks that overlap its shards, and starts from the weights the whole-read path gives. Written by one
+    process (one chunk per tensor: each rank reads every chunk, whole, keeping its half) the weights equal a
+    1-process torch-stack load of the same run's export; written by 2 FSDP2 ranks, rank 0 reads its halves alone
+    (the bytes the reader took from the shard files: half the weights and each chunk's torch.save framing)."""
+    source, one_process = exported
+    run = source.parent if writer == "one-process" else fsdp2_dcp
+    results = run_ranks(2, "meta_llama.py", tmp_path, *COMMON, *MODEL, "--pretrained", str(run), SETUP_ONLY="1",
+                        INITIAL_WEIGHTS=tmp_path / "initial.pt", **ENV)  # fmt: skip
+    assert_all_ok(results)
+    weights = initial_weights(tmp_path / "initial.pt")
+    assert_same_weights(read_weights(run), weights)  # the whole-read path (a torch-stack --pretrained reads this)
+    log = results[0].stdout
+    found = re.search(rf"rank 0 read ([\d,]+) bytes of its DCP shard files .* for the {MODEL_BYTES:,} bytes", log)
+    assert found, log[-3000:]
+    read = int(found[1].replace(",", ""))
+    if writer == "one-process":
+        assert_same_weights(one_process, weights)
+        assert MODEL_BYTES < read < MODEL_BYTES * 1.01, read  # every chunk whole
+    else:
+        assert MODEL_BYTES // 2 < read < MODEL_BYTES // 2 * 1.01, read  # its own chunks only
+
+
+@pytest.mark.timeout(120)
+def test_a_dcp_checkpoint_that_does_not_fit_is_refused_from_its_metadata(exported, tmp_path):
+    """A model of another width is refused with the same WeightsMisfitError message as any other form, from the
+    DCP `.metadata` alone: the checkpoint's copy has its shard file replaced by zeros (its manifest re-hashed), so a
+    tensor read would fail another way."""
+    source, _ = exported
+    checkpoint = source.parent / "checkpoints" / "ckpt-s000000000001"
+    copy = tmp_path / "checkpoints" / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    manifest = read_manifest(copy)
+    for shard in copy.glob("*.distcp"):
+        size = shard.stat().st_size
+        with shard.open("r+b") as file:
+            file.truncate(0)
+            file.truncate(size)  # a hole: zeros
+        manifest["files"][shard.name]["digest"] = hash_file(shard).digest
+    (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    (result,) = run_ranks(1, "meta_llama.py", tmp_path / "runs", *COMMON, *MODEL, "--model.dim", "256",
+                          "--pretrained", str(copy), SETUP_ONLY="1", timeout=100, **ENV)  # fmt: skip
+    assert result.returncode != 0
+    message = (
+        f"the weights in {copy} do not fit MetaLlama: 17 with another shape: tok_embeddings.weight (512, 512) "
+        "(model: (512, 256))"
+    )
+    assert message in result.stdout, result.stdout[-3000:]
