@@ -1,7 +1,8 @@
 """Reading weights slice by slice: each rank of a sharded model reads only the regions of the tensors it holds.
 
-`open_weight_slices(path)` opens any form `read_weights` reads (`weights_read.py`) and reads no tensor data: it gives
-every tensor's name, shape and dtype, and `read(name, region)` then reads one region of one tensor.
+`open_weight_slices(path)` (`weights_open.py`) opens any form `read_weights` reads (`weights_read.py`) and reads no
+tensor data: it gives every tensor's name, shape and dtype, and `read(name, region)` then reads one region of one
+tensor.
 
     safetensors files (perdure's      the headers only, checked by `check_safetensors_header` (bounded, offsets that
       `model.safetensors`, a Hugging    tile the file) before anything else; a region is read with the safetensors
@@ -30,16 +31,12 @@ from pathlib import Path
 
 import torch
 
-from perdure.checkpoints.resolve import resolve_path
 from perdure.checkpoints.weights_read import (
     check_safetensors_header,
     is_hf_source,
-    read_checkpoint_weights,
-    read_weights,
-    weight_files,
 )
 from perdure.errors import CheckpointError
-from perdure.runners.compile import plain_name, strip_compile_prefix
+from perdure.runners.compile import plain_name
 
 # safetensors' dtype names (those `check_safetensors_header` admits) -> torch dtypes
 SAFETENSORS_DTYPES = {
@@ -132,25 +129,6 @@ class TensorSlices(WeightSlices):
     def read_region(self, name: str, region: Region | None) -> torch.Tensor:
         tensor = self.tensors[name]
         return tensor if region is None else tensor[region]
-
-
-def open_weight_slices(path: Path, ema: bool = False) -> WeightSlices:
-    """The weights at `path` (any form `read_weights` reads), opened for reading region by region: see the module
-    docstring for what each form reads up front. `ema`: a checkpoint's EMA weights."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"pretrained path {path} does not exist")
-    files = weight_files(path, ema)
-    if files is not None and files[0].suffix == ".safetensors":
-        return SafetensorsSlices(path, files, named=files == [path])
-    if files is not None:
-        return TensorSlices(path, read_weights(path, ema, mmap=True))
-    info = resolve_path(path)
-    if info.manifest.get("backend") == "dcp":
-        from perdure.checkpoints.dcp_slices import DCPSlices  # a process that never reads DCP never imports it
-
-        return DCPSlices(path, info.path, info.manifest.get("files"), ema)
-    return TensorSlices(path, strip_compile_prefix(read_checkpoint_weights(info, ema, mmap=True)))  # read whole
 
 
 def region_of(shape: torch.Size, offset: tuple[int, ...], local_shape: tuple[int, ...]) -> Region:

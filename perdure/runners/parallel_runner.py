@@ -38,7 +38,8 @@ from perdure.checkpoints.module_state import module_state_dict
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
 from perdure.checkpoints.source import RestoreSource
-from perdure.checkpoints.weights_slices import WeightSlices, open_weight_slices
+from perdure.checkpoints.weights_open import open_weight_slices
+from perdure.checkpoints.weights_slices import WeightSlices
 from perdure.distributed.collectives import all_gather_object
 from perdure.distributed.grad_norm import clip_grad_norm
 from perdure.distributed.process_group import init_process_group, select_backend
