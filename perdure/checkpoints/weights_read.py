@@ -220,14 +220,20 @@ def check_safetensors_header(path: Path, *, named: bool = False) -> tuple[dict[s
 def read_safetensors(path: Path, *, named: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, its header checked first (`check_safetensors_header`)."""
     check_safetensors_header(path, named=named)
+    with open_safetensors(path) as file:
+        return {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+
+
+def open_safetensors(path: Path) -> Any:
+    """`safetensors.safe_open(path)` on the CPU, for a `with` block (the file is mapped while it is open); its header
+    is to be checked first (`check_safetensors_header`). A missing safetensors package is a CheckpointError."""
     try:
         from safetensors import safe_open
     except ImportError:
         raise CheckpointError(
             f"reading {path.name} needs the safetensors package: pip install safetensors (or perdure[hf])"
         ) from None
-    with safe_open(str(path), framework="pt", device="cpu") as file:
-        return {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+    return safe_open(str(path), framework="pt", device="cpu")
 
 
 def hf_dir_files(directory: Path) -> list[Path]:

@@ -34,8 +34,8 @@ import torch
 from perdure.checkpoints.weights_read import (
     check_safetensors_header,
     is_hf_source,
+    open_safetensors,
 )
-from perdure.errors import CheckpointError
 from perdure.runners.compile import plain_name
 
 # safetensors' dtype names (those `check_safetensors_header` admits) -> torch dtypes
@@ -106,14 +106,8 @@ class SafetensorsSlices(WeightSlices):
 
     def read_region(self, name: str, region: Region | None) -> torch.Tensor:
         file, stored = self.files[name]
-        try:
-            from safetensors import safe_open
-        except ImportError:
-            raise CheckpointError(
-                f"reading {file.name} needs the safetensors package: pip install safetensors (or perdure[hf])"
-            ) from None
         # Opened for this one read: closing it unmaps the pages the read touched.
-        with safe_open(str(file), framework="pt", device="cpu") as opened:
+        with open_safetensors(file) as opened:
             if region is None or _whole(region, self.shapes[name]):
                 return opened.get_tensor(stored)
             return opened.get_slice(stored)[region]
