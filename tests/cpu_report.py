@@ -1,0 +1,72 @@
+"""What each test costs in CPU seconds, whatever else the machine runs: `pytest -p tests.cpu_report` (or
+`make test-cpu`) writes one JSON line per test to `$PERDURE_TEST_CPU_REPORT` (default `test-cpu.jsonl`), and
+`python -m tests.cpu_report FILE` prints the tests and files that cost most.
+
+Wall time is a poor guide on a loaded machine: two workers share two cores with every rank, writer process and
+server their tests start, so a test's duration mostly says what ran beside it. CPU time does not. A test's CPU is
+its pytest process's own, plus its reaped children's (`RUSAGE_CHILDREN`: new interpreters), plus what the zygote's
+children used (`/proc/<zygote>/stat`: cutime and cstime grow as the zygote reaps a launch, the launch's own reaped
+children included). A launch still running when the test ends counts in the next test of that worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests import zygote
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _zygote_children_seconds() -> float:
+    if zygote._ZYGOTE is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{zygote._ZYGOTE[0].pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[13]) + int(fields[14])) / TICKS  # cutime, cstime (fields 16 and 17 of proc(5))
+
+
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _zygote_children_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    record = {"test": item.nodeid, "cpu": round(_cpu_seconds() - cpu, 2), "wall": round(time.monotonic() - wall, 2)}
+    path = Path(os.environ.get("PERDURE_TEST_CPU_REPORT", "test-cpu.jsonl"))
+    with path.open("a") as report:
+        report.write(json.dumps(record) + "\n")
+
+
+def summarize(path: Path, top: int = 40) -> None:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    by_file: Counter[str] = Counter()
+    wall_by_file: Counter[str] = Counter()
+    for record in records:
+        by_file[record["test"].split("::")[0]] += record["cpu"]
+        wall_by_file[record["test"].split("::")[0]] += record["wall"]
+    total = sum(record["cpu"] for record in records)
+    print(f"{len(records)} tests, {total:.0f} CPU seconds ({total / 60:.1f} CPU minutes)")
+    print("\nfiles by CPU seconds (wall seconds beside):")
+    for name, seconds in by_file.most_common(top):
+        print(f"{seconds:8.1f} {wall_by_file[name]:8.1f}  {name}")
+    print("\ntests by CPU seconds:")
+    for record in sorted(records, key=lambda record: -record["cpu"])[:top]:
+        print(f"{record['cpu']:8.1f} {record['wall']:8.1f}  {record['test']}")
+
+
+if __name__ == "__main__":
+    summarize(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 40)
