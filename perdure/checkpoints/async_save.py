@@ -214,7 +214,7 @@ class AsyncSaver:
             outcome = SaveOutcome(job.name, reason, time.perf_counter() - started, error, fatal)
             # The save is over: its buffers serve the next snapshot, and this thread lets go of them at once.
             self.pool.give_back(snapshot.buffers)
-            job = snapshot = None
+            del job, snapshot
             with self._condition:
                 self._outcomes.append(outcome)
                 self._in_flight = None
@@ -282,15 +282,16 @@ class _WriterProcess:
         del payload
         while True:
             try:
-                name, error, fatal = self.results.get(timeout=1.0)
+                name, message, fatal = self.results.get(timeout=1.0)
                 break
             except queue.Empty:
                 if not self.process.is_alive():
+                    assert self.process.pid is not None  # started by `_start`
                     self.manager.discard_staging(job, self.process.pid)
                     raise CheckpointSaveError(self._died(f"while writing {job.name}")) from None
         self.committed += 1
-        if error is not None:
-            raise (CheckpointStateError if fatal else CheckpointSaveError)(error)
+        if message is not None:
+            raise (CheckpointStateError if fatal else CheckpointSaveError)(message)
 
     def _died(self, when: str) -> str:
         code = self.process.exitcode
@@ -380,7 +381,8 @@ class BufferPickler(ForkingPickler):
         cls, job: Any, known: SentBuffers, sent: SentBuffers
     ) -> tuple[bytes, list[int]]:
         """The pickled job and the descriptors its new buffers need, in order (owned by the buffers: not to close)."""
-        file, descriptors = io.BytesIO(), []
+        file = io.BytesIO()
+        descriptors: list[int] = []
         cls(file, known, sent, descriptors).dump(job)
         return file.getvalue(), descriptors
 
@@ -412,7 +414,8 @@ class BufferUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> torch.Tensor:
         if pid[0] == "new":
             _, number, slot, nbytes, (dtype, shape, stride, offset) = pid
-            storage = torch.UntypedStorage._new_shared_fd_cpu(self.received[slot], nbytes)  # maps a duplicate
+            # A private torch API that its stubs do not list; maps a duplicate.
+            storage = torch.UntypedStorage._new_shared_fd_cpu(self.received[slot], nbytes)  # type: ignore[attr-defined]
             self.buffers[number] = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
         return self.buffers[pid[1]]
 

@@ -216,7 +216,7 @@ class CheckpointManager(ABC):
             is_best=is_best,
             texts=dict(texts or {}),
             persistent=persistent,
-            protected=frozenset({self.resumed_from} - {None}),
+            protected=frozenset() if self.resumed_from is None else frozenset({self.resumed_from}),
             sequence=self._saves,
             nbytes=snapshot_nbytes([replicated, local]),
         )
@@ -476,13 +476,13 @@ class CheckpointManager(ABC):
         keep = self.policy.keep_latest_k
         if keep <= 0:
             return []
-        protected = set(protected) | {read_pointer(self.root, "latest"), read_pointer(self.root, "best")}
-        protected |= {self.resumed_from, self.last_saved}
+        spared: set[str | None] = {*protected, read_pointer(self.root, "latest"), read_pointer(self.root, "best")}
+        spared |= {self.resumed_from, self.last_saved}
         if self.mirror is not None:
-            protected |= self.mirror.pending()  # not uploaded yet
+            spared |= self.mirror.pending()  # not uploaded yet
         removed = []
         for path in committed_checkpoints(self.root)[keep:]:
-            if path.name in protected:
+            if path.name in spared:
                 continue
             try:
                 retire(path)

@@ -83,7 +83,7 @@ def checkpoint_name(*, step: int | None = None, epoch: int | None = None) -> str
     return f"ckpt-s{step:012d}" if step is not None else f"ckpt-e{epoch:06d}"
 
 
-def write_file(path: Path, write: Callable[[BinaryIO], None]) -> FileRecord:
+def write_file(path: Path, write: Callable[[BinaryIO], object]) -> FileRecord:
     """Create `path` (never overwrites), let `write(fileobj)` fill it, fsync it; return its size and digest.
 
     The digest is computed while writing, so the file is never read back. A partial file is removed on failure; an

@@ -28,10 +28,11 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -103,9 +104,10 @@ class DCPCheckpointManager(CheckpointManager):
         replicated: dict[str, Any] = {}
         for key, state in states.items():
             if key == "model" and module is not None:
-                replicated[key] = module_state_dict(state)
+                replicated[key] = module_state_dict(module)  # `module` is `state`
             elif key == "optimizer" and module is not None:
-                replicated[key] = get_optimizer_state_dict(model, state)
+                # Beside an nn.Module model, the optimizer is a torch optimizer (the Stateful kind comes in pairs).
+                replicated[key] = get_optimizer_state_dict(module, cast(torch.optim.Optimizer, state))
             else:
                 replicated[key] = state.state_dict()
         return replicated, {key: state.state_dict() for key, state in local_states.items()}
@@ -161,6 +163,7 @@ class DCPCheckpointManager(CheckpointManager):
                     async_checkpointer_type=kind,
                     async_stager=_AlreadyStaged(),
                 )
+                assert isinstance(future, Future)  # `_AlreadyStaged.stage` returns no future: DCP gives the upload one
                 future.result()
             else:
                 dcp.save(state, storage_writer=writer)
@@ -180,7 +183,7 @@ class DCPCheckpointManager(CheckpointManager):
         if isinstance(model, nn.Module) and "model" in stored:
             template["model"] = module_state_dict(model)
             if optimizer is not None and "optimizer" in stored:
-                template["optimizer"] = get_optimizer_state_dict(model, optimizer)
+                template["optimizer"] = get_optimizer_state_dict(model, cast(torch.optim.Optimizer, optimizer))
         for key in DCP_KEYS:
             if key in states and key in stored and key not in template:
                 template[key] = states[key].state_dict()
@@ -196,7 +199,7 @@ class DCPCheckpointManager(CheckpointManager):
             if key == "model" and key in template and module is not None:
                 load_module_state_dict(module, template[key])
             elif key == "optimizer" and key in template and module is not None:
-                set_optimizer_state_dict(module, optimizer, template[key])
+                set_optimizer_state_dict(module, cast(torch.optim.Optimizer, optimizer), template[key])
             elif key in template:
                 state.load_state_dict(template[key])
             elif key in plain:

@@ -44,7 +44,7 @@ def replace_after_failure(error: BaseException, rank: int) -> BaseException:
     holder = module._CHECKPOINT_PROCESS
     if holder is None:  # this save was starting it (the first save, or the one after a replacement)
         return _start_failed(error, rank)
-    module._CHECKPOINT_PROCESS = None
+    module._CHECKPOINT_PROCESS = None  # type: ignore[attr-defined]  # torch's private executor state (no stub)
     process = holder._save_process
     # One that died closed its pipe before the kernel had reaped it (torch saw `Exit code: None`): a second to finish.
     process.join(timeout=1.0)
@@ -86,7 +86,9 @@ def _reaped_exit_code() -> int | None:
     """The exit status of the starting process torch lost. torch reads `Exit code: None` when the process's pipe
     closed before the kernel let it be reaped; it is then one of multiprocessing's own spawned children that has
     ended (its sentinel is ready), and has its status a moment later. None unless exactly one has ended."""
-    spawned = [child for child in list(multiprocessing.process._children) if isinstance(child, SpawnProcess)]
+    # multiprocessing's private set of live children, which typeshed does not list.
+    children = list(multiprocessing.process._children)  # type: ignore[attr-defined]
+    spawned = [child for child in children if isinstance(child, SpawnProcess)]
     ready = multiprocessing.connection.wait([child.sentinel for child in spawned], timeout=0)
     ended = [child for child in spawned if child.sentinel in ready]
     if len(ended) != 1:

@@ -70,7 +70,7 @@ class DCPSlices(WeightSlices):
         """Read each (name, region, target) into its target in one pass: the chunks overlapping the regions, each
         file opened once; `bytes_read` grows by what the reader took from the shard files."""
         items: list[ReadItem] = []
-        targets = []
+        targets: list[torch.Tensor] = []
         for name, region, target in requests:
             key, item = self.entries[name]
             starts = [start for start, _ in _bounds(region, item.size)]

@@ -118,13 +118,14 @@ class _Tensor:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         shape = self.entry.shape
-        stride, step = [], 1
+        stride: list[int] = []
+        step = 1
         for size in reversed(shape):
             stride.append(step)
             step *= size
         numel = step
         storage = _Storage(self.entry.dtype, numel, self.key)
-        args = (storage, 0, tuple(shape), tuple(reversed(stride)), False, collections.OrderedDict())
+        args: tuple[Any, ...] = (storage, 0, tuple(shape), tuple(reversed(stride)), False, collections.OrderedDict())
         if self.entry.dtype in torch.storage._new_dtypes():
             return (torch._utils._rebuild_tensor_v3, (*args, self.entry.dtype))
         return (torch._utils._rebuild_tensor_v2, args)
@@ -151,7 +152,8 @@ def pth_pickle(planned: Sequence[Planned], keys: dict[str, str]) -> bytes:
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs give ndarray `__buffer__` only from Python 3.12 (python_version is 3.10): it is a buffer.
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _fit(entry: Planned, tensor: Any) -> torch.Tensor:

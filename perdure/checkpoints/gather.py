@@ -67,9 +67,13 @@ def _read_marker(marker: Path, rank: int) -> dict:
     except (OSError, ValueError) as error:
         raise CheckpointSaveError(f"rank {rank}'s record {marker.name} is unreadable: {error}") from None
     files = payload.get("files") if isinstance(payload, dict) else None
-    ok = isinstance(files, dict) and isinstance(payload.get("error"), (str, type(None)))
-    ok = ok and all(
-        isinstance(r, dict) and type(r.get("size")) is int and isinstance(r.get("digest"), str) for r in files.values()
+    ok = (
+        isinstance(files, dict)
+        and isinstance(payload.get("error"), (str, type(None)))
+        and all(
+            isinstance(r, dict) and type(r.get("size")) is int and isinstance(r.get("digest"), str)
+            for r in files.values()
+        )
     )
     if not ok:
         raise CheckpointSaveError(f"rank {rank}'s record {marker.name} is malformed")

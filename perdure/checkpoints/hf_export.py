@@ -115,7 +115,9 @@ class HFShardWriter:
             self.close()
             self._open(self.plan[name])
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        assert self._file is not None  # `_open` opened it; only `close` (after the last tensor) clears it
+        # numpy's stubs give ndarray `__buffer__` only from Python 3.12 (python_version is 3.10): it is a buffer.
+        self._file.write(memoryview(data.numpy()))  # type: ignore[arg-type]
         self._next += 1
 
     def _open(self, file: str) -> None:

@@ -180,7 +180,8 @@ def prune_mirror(store: MirrorStore, keep: int, *, protected: set[str], dry_run:
     `latest` and `best`; remove the others (manifest object first, so none is ever half a checkpoint) and partial
     uploads older than the newest complete one. Returns the names removed (to be removed, with `dry_run`)."""
     items = mirrored_checkpoints(store)
-    protected = protected | {store.read_pointer("latest"), store.read_pointer("best")} - {None}
+    pointed = (store.read_pointer("latest"), store.read_pointer("best"))
+    protected = protected | {name for name in pointed if name is not None}
     complete = [item for item in items if item.manifest is not None]
     doomed = [item.name for item in complete[keep:] if item.name not in protected]
     if complete:

@@ -18,6 +18,9 @@ from perdure.checkpoints.mirror import STORE_ERRORS, MirrorStore, upload_checkpo
 from perdure.checkpoints.mirror_restore import prune_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError
 
+# What one upload or prune may fail with and the mirror survives (it retries, or warns).
+_MIRROR_ERRORS: tuple[type[BaseException], ...] = (CheckpointError, *STORE_ERRORS)
+
 logger = logging.getLogger("perdure")
 
 BACKOFF_FIRST_S = 0.5
@@ -127,7 +130,7 @@ class MirrorUploader:
             try:
                 started = time.perf_counter()
                 upload_checkpoint(self.store, self.local_root, upload.name)
-            except (CheckpointError, *STORE_ERRORS) as error:
+            except _MIRROR_ERRORS as error:
                 if not self._retry(upload, error):
                     return
                 continue
@@ -172,7 +175,7 @@ class MirrorUploader:
             return
         try:
             prune_mirror(self.store, self.keep_latest_k, protected=set(protected))
-        except (CheckpointError, *STORE_ERRORS) as error:
+        except _MIRROR_ERRORS as error:
             logger.warning("mirror: ckpt.keep_latest_k could not prune %s (%s); nothing committed was lost", self.store,
                            error)  # fmt: skip
 

@@ -60,13 +60,14 @@ def as_module_state_dict(module: nn.Module, weights: Mapping[str, torch.Tensor])
     is taken, then put back; a tensor `weights` lacks stays the module's own."""
     target = uncompiled(module)
     by_id: dict[int, torch.Tensor] = {}
-    for name, tensor in (*target.named_parameters(), *target.named_buffers()):
+    for name, owned in (*target.named_parameters(), *target.named_buffers()):
         if name in weights:
-            by_id[id(tensor)] = weights[name]
+            by_id[id(owned)] = weights[name]
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for submodule in target.modules():
-            for slots in (submodule._parameters, submodule._buffers):
+            held: tuple[dict[str, Any], ...] = (submodule._parameters, submodule._buffers)
+            for slots in held:
                 for attribute, tensor in slots.items():
                     if tensor is not None and id(tensor) in by_id:
                         swapped.append((slots, attribute, tensor))

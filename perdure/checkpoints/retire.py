@@ -55,7 +55,8 @@ def is_leftover(entry: Path) -> bool:
 
 def leftovers(root: Path) -> tuple[list[Path], list[Path]]:
     """(perdure's leftovers, other `.prune-*` entries) in `root`."""
-    ours, others = [], []
+    ours: list[Path] = []
+    others: list[Path] = []
     for entry in sorted(Path(root).glob(PRUNE_PREFIX + "*")):
         if entry.name.endswith(MARKER_SUFFIX):
             continue

@@ -87,6 +87,10 @@ class RestrictedUnpickler(pickle._Unpickler):
     enum member; APPEND / SETITEM / ADDITEMS only on a plain list / dict / set (which only pickle's own opcodes make).
     """
 
+    # The pure-Python unpickler's working stacks (set by `load`), which typeshed's `_Unpickler` does not list.
+    stack: list[Any]
+    metastack: list[list[Any]]
+
     def __init__(self, file: Any) -> None:
         super().__init__(file)
         self._created: dict[int, Any] = {}  # id -> object (kept alive, so that an id is never reused)
@@ -103,7 +107,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         target = self.stack[-2]
         if type(target) not in _BUILDABLE or self._created.get(id(target)) is not target:
             raise BlockedChangeError(f"sets attributes of {_described(target)} (pickle's BUILD)")
-        pickle._Unpickler.load_build(self)
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]  # typeshed lists no `load_*` opcode methods
 
 
 def _recording_creation(load: Any) -> Any:
@@ -130,9 +134,10 @@ def _checking_container(load: Any, opcode: bytes, expected: type) -> Any:
 
 
 _PLAIN = pickle._Unpickler.dispatch
+# typeshed types `dispatch` as taking any `Unpickler`; these entries are only ever called with a RestrictedUnpickler.
 RestrictedUnpickler.dispatch = {
     **_PLAIN,
-    pickle.BUILD[0]: RestrictedUnpickler.load_build,
+    pickle.BUILD[0]: RestrictedUnpickler.load_build,  # type: ignore[dict-item]
     **{op[0]: _recording_creation(_PLAIN[op[0]]) for op in (pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.REDUCE,
                                                             pickle.INST, pickle.OBJ)},
     **{op[0]: _checking_container(_PLAIN[op[0]], op, kind) for op, kind in ((pickle.APPEND, list),
@@ -269,6 +274,7 @@ class RestrictedFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Always the one global `.metadata` (perdure never writes DCP's per-rank metadata files, `rank=`).
         metadata = read_dcp_metadata(self.checkpoint, self.files)
+        assert metadata.storage_meta is not None  # `read_dcp_metadata` gives one to metadata that had none
         metadata.storage_meta.load_id = self.load_id
         return metadata
 

@@ -18,15 +18,18 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from perdure.checkpoints.save_errors import human_bytes
 from perdure.checkpoints.staging import CopyFence, Staging
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def is_dtensor(tensor: Any) -> bool:
+
+def is_dtensor(tensor: Any) -> TypeGuard[DTensor]:
     """A sharded tensor (FSDP2, tensor parallelism), whose snapshot copies this rank's shard and keeps the layout.
     `torch.distributed.tensor` is looked up, never imported (half a second per process): if no one loaded it, no
     DTensor exists."""
@@ -276,8 +279,14 @@ class Snapshot:
             from torch.distributed.tensor import DTensor
 
             shard = self._copy_tensor(tensor.to_local())
-            layout = {"shape": tensor.shape, "stride": tensor.stride(), "run_check": False}
-            return DTensor.from_local(shard, tensor.device_mesh, tensor.placements, **layout)
+            return DTensor.from_local(
+                shard,
+                tensor.device_mesh,
+                tensor.placements,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+                run_check=False,
+            )
         tensor = tensor.detach()
         view = (storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         if view in self._copied:
@@ -338,7 +347,7 @@ def available_memory() -> int:
 
 def _cgroup_headrooms() -> list[int]:
     """Limit minus usage of this process's memory cgroup and its ancestors (cgroup v2 and v1), where one is set."""
-    headrooms = []
+    headrooms: list[int] = []
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:

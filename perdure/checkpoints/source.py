@@ -25,8 +25,10 @@ class RestoreSource:
 
     def describe(self) -> str:
         if self.kind == "resume":
+            assert self.info is not None  # a resume or checkpoint source always carries its checkpoint
             return f"resuming from {self.info.path} (step {self.info.global_step})"
         if self.kind == "checkpoint":
+            assert self.info is not None
             return f"starting from checkpoint {self.info.path} (step {self.info.global_step})"
         if self.kind == "pretrained":
             return f"starting from pretrained weights {self.path}"

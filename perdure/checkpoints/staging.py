@@ -100,10 +100,12 @@ def shared_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     try:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)
-        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # maps a duplicate of the descriptor
+        # A private torch API that its stubs do not list; maps a duplicate of the descriptor.
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
     finally:
         os.close(fd)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    # torch's stubs require `stride`, which defaults to the contiguous one.
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
 
 
 def _unpin(data_ptr: int) -> None:
