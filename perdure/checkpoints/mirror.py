@@ -13,6 +13,7 @@ store is warned about and retried with backoff; a checkpoint that could not be u
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -41,8 +42,13 @@ _STORE_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def _client_errors() -> tuple[type[BaseException], ...]:
-    errors: tuple[type[BaseException], ...] = ()
+@functools.cache
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a store raises when it is unreachable, refuses or fails a request: fsspec maps most of it to OSError;
+    botocore's and aiohttp's connection errors (s3fs, http stores) come as they are, once the client's own retries are
+    spent. Looked up at the first failure, not at import: the clients take a third of a second to import, and a run
+    without a mirror never needs them."""
+    errors: tuple[type[BaseException], ...] = (OSError,)
     try:
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -56,11 +62,6 @@ def _client_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return errors
-
-
-# What a store raises when it is unreachable, refuses or fails a request: fsspec maps most of it to OSError; botocore's
-# and aiohttp's connection errors (s3fs, http stores) come as they are, once the client's own retries are spent.
-STORE_ERRORS: tuple[type[BaseException], ...] = (OSError, *_client_errors())
 
 
 def check_mirror_url(key: str, url: Any) -> None:

@@ -25,7 +25,7 @@ from perdure.checkpoints.commit import (
     write_file,
     write_pointer,
 )
-from perdure.checkpoints.mirror import STORE_ERRORS, MirrorStore
+from perdure.checkpoints.mirror import MirrorStore, store_errors
 from perdure.errors import CheckpointCorruptError, CheckpointError
 from perdure.safe_io import ensure_dir, escape_terminal
 
@@ -162,7 +162,7 @@ def restore_newest(store: MirrorStore, root: Path, local: tuple[int, str] | None
             why = "no usable local checkpoint" if local is None else f"newer than {local[1]} on this disk"
             logger.warning("%s: %s fetched from the mirror %s and verified", why, item.name, store)
             return item.name
-    except STORE_ERRORS as error:
+    except store_errors() as error:
         if local is not None:
             logger.warning("the mirror %s could not be read (%s: %s): continuing from %s on this disk", store,
                            type(error).__name__, error, local[1])  # fmt: skip

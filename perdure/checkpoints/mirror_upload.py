@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perdure.checkpoints.mirror import STORE_ERRORS, MirrorStore, upload_checkpoint
+from perdure.checkpoints.mirror import MirrorStore, store_errors, upload_checkpoint
 from perdure.checkpoints.mirror_restore import prune_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError
 
 # What one upload or prune may fail with and the mirror survives (it retries, or warns).
-_MIRROR_ERRORS: tuple[type[BaseException], ...] = (CheckpointError, *STORE_ERRORS)
 
 logger = logging.getLogger("perdure")
 
@@ -130,7 +129,7 @@ class MirrorUploader:
             try:
                 started = time.perf_counter()
                 upload_checkpoint(self.store, self.local_root, upload.name)
-            except _MIRROR_ERRORS as error:
+            except (CheckpointError, *store_errors()) as error:
                 if not self._retry(upload, error):
                     return
                 continue
@@ -175,7 +174,7 @@ class MirrorUploader:
             return
         try:
             prune_mirror(self.store, self.keep_latest_k, protected=set(protected))
-        except _MIRROR_ERRORS as error:
+        except (CheckpointError, *store_errors()) as error:
             logger.warning("mirror: ckpt.keep_latest_k could not prune %s (%s); nothing committed was lost", self.store,
                            error)  # fmt: skip
 

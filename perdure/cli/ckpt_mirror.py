@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from perdure.checkpoints.commit import CHECKPOINT_PATTERN, POINTERS
-from perdure.checkpoints.mirror import STORE_ERRORS, MirrorStore
+from perdure.checkpoints.mirror import MirrorStore, store_errors
 from perdure.checkpoints.mirror_restore import (
     download_checkpoint,
     mirrored_checkpoints,
@@ -140,7 +140,7 @@ def on_mirror(call: Callable[[], Any]) -> Any:
     """`call()`, with a store's error (unreachable, refused, no such bucket) said as a PerdureError."""
     try:
         return call()
-    except STORE_ERRORS as error:
+    except store_errors() as error:
         raise PerdureError(f"the mirror could not be read: {type(error).__name__}: {error}") from None
 
 
