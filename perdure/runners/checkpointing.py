@@ -52,6 +52,7 @@ class CheckpointingMixin:
     `BaseRunner` (one concept per file); the bytes and the commit protocol belong to the CheckpointManager."""
 
     _snapshot_buffers_reserved = False  # by the first optimizer step of the attempt
+    _config_yaml: tuple[dict, str] | None = None  # the config's plain form and its YAML, as last written
     _grace: GraceCheck | None = None  # made at the first save: compares it with the grace window (resilience/grace.py)
 
     def checkpoint_states(self) -> dict[str, Stateful]:
@@ -148,7 +149,10 @@ class CheckpointingMixin:
 
     def _checkpoint_texts(self) -> dict[str, str]:
         """The small text files of each checkpoint: its config, and `hf.json` when `ckpt.export_format` has hf."""
-        texts = {"config.yaml": yaml.safe_dump(self.config.to_plain(), sort_keys=True)}
+        plain = self.config.to_plain()
+        if self._config_yaml is None or self._config_yaml[0] != plain:  # dumped again only when it changed: the
+            self._config_yaml = (plain, yaml.safe_dump(plain, sort_keys=True))  # dump was most of a small save's time
+        texts = {"config.yaml": self._config_yaml[1]}
         if hf_requested(self):
             texts[HF_META] = hf_metadata(self)
         return texts
