@@ -71,6 +71,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
         if name == "config":
             if text is BARE:
                 raise ConfigError("config", None, "--config needs a file: --config path/to/config.yaml")
+            assert isinstance(text, str)  # an argument's text: only BARE is not one
             files.append(text)
         else:
             overrides.append((name, text))

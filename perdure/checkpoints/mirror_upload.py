@@ -18,8 +18,6 @@ from perdure.checkpoints.mirror import MirrorStore, store_errors, upload_checkpo
 from perdure.checkpoints.mirror_restore import prune_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError
 
-# What one upload or prune may fail with and the mirror survives (it retries, or warns).
-
 logger = logging.getLogger("perdure")
 
 BACKOFF_FIRST_S = 0.5
@@ -129,7 +127,7 @@ class MirrorUploader:
             try:
                 started = time.perf_counter()
                 upload_checkpoint(self.store, self.local_root, upload.name)
-            except (CheckpointError, *store_errors()) as error:
+            except _mirror_errors() as error:
                 if not self._retry(upload, error):
                     return
                 continue
@@ -174,7 +172,7 @@ class MirrorUploader:
             return
         try:
             prune_mirror(self.store, self.keep_latest_k, protected=set(protected))
-        except (CheckpointError, *store_errors()) as error:
+        except _mirror_errors() as error:
             logger.warning("mirror: ckpt.keep_latest_k could not prune %s (%s); nothing committed was lost", self.store,
                            error)  # fmt: skip
 
@@ -195,3 +193,8 @@ def mirror_for_run(ckpt: Mapping[str, Any], run_path: Path, run_root: Path | Non
         keep_latest_k=int(ckpt.get("keep_latest_k") or 0),
         drain_s=float(ckpt.get("mirror_drain_s", 600.0)),
     )
+
+
+def _mirror_errors() -> tuple[type[BaseException], ...]:
+    """What one upload or prune may fail with and the mirror survives (it retries, or warns)."""
+    return (CheckpointError, *store_errors())

@@ -397,7 +397,9 @@ def _output_format(out: Path, requested: str | None) -> str:
         raise PerdureError(f"--format {requested} but {out} ends in {out.suffix}; use a matching name or drop one")
     if not (requested or from_suffix):
         raise PerdureError(f"output {out} must end in {' or '.join(EXPORT_SUFFIXES)}, or pass --format pth|safetensors")
-    return requested or from_suffix
+    chosen = requested or from_suffix
+    assert chosen is not None  # one of them is given: refused just above otherwise
+    return chosen
 
 
 def cmd_export(args: argparse.Namespace) -> int:

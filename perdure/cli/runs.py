@@ -205,10 +205,10 @@ def table(
     lines = [[escape_terminal(cell) for cell in headers]] if header else []
     lines += [[escape_terminal(cell) for cell in row] for row in rows]  # every value may come from a sidecar
     widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
-    right = set(right)
+    to_right = set(right)
     out = []
     for line in lines:
-        cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths))]
+        cells = [cell.rjust(w) if i in to_right else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths))]
         out.append((" " * indent + "  ".join(cells)).rstrip())
     return "\n".join(out)
 

@@ -186,7 +186,7 @@ class ResumableLoader:
 
     def length_change(self) -> tuple[int, int] | None:
         """(the dataset's length when the restored position was saved, its length now) if they differ, else None."""
-        if self.sampler is None or self.restored_samples in (None, self.sampler.dataset_len):
+        if self.sampler is None or self.restored_samples is None or self.restored_samples == self.sampler.dataset_len:
             return None
         return self.restored_samples, self.sampler.dataset_len
 

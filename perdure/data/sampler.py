@@ -19,7 +19,7 @@ PERMUTATIONS = ("randperm", "hashed")
 CHUNK = 1 << 16  # indices turned into Python ints at a time while iterating
 
 
-class ResumableSampler(Sampler[int]):
+class ResumableSampler(Sampler[int | tuple[int, int]]):
     """Yields this rank's share of a (seed, epoch)-determined order, starting at a global sample offset.
 
     The order of an epoch depends only on `seed` and `epoch` (never on how many random draws happened before), so an
@@ -112,7 +112,7 @@ class ResumableSampler(Sampler[int]):
             self._order = ((self.seed, self.epoch), torch.randperm(self.dataset_len, generator=generator, dtype=dtype))
         return self._order[1][positions].long()
 
-    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[int | tuple[int, int]]:  # `(seed, index)` pairs with `sample_seeds`
         start, stop, step = self.offset + self.rank, self.total_size, self.world_size
         base = epoch_seed_base(self.seed, self.epoch) if self.sample_seeds else None
         for low in range(start, stop, step * CHUNK):

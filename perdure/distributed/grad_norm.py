@@ -10,6 +10,7 @@ everywhere.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,8 @@ def clip_grad_norm(
     groups = _by_mesh(parameters)
     squares = []
     for group in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        grads = cast("list[torch.Tensor]", [p.grad for p in group])  # `_by_mesh` keeps only those with a gradient
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().square())
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if pipeline_group is not None:

@@ -100,6 +100,7 @@ class MediaLogger(MetricLogger):
             return
         if record.get("path") != relative.as_posix():
             return
+        assert self._run_dir is not None  # `open` set it before reading the index
         directory = self._run_dir
         for part in relative.parts[:-1]:
             directory = directory / part

@@ -41,7 +41,7 @@ def find_grace(configured: float | None, env: Mapping[str, str] | None = None) -
         return Grace(float(configured), "resilience.grace_s", "widen the launcher's grace and resilience.grace_s")
     env = os.environ if env is None else env
     found = [grace for grace in (_torchrun_grace(env), _slurm_grace(env)) if grace is not None]
-    return min(found, key=lambda grace: grace.seconds, default=None)
+    return min(found, key=lambda grace: grace.seconds) if found else None
 
 
 def _torchrun_grace(env: Mapping[str, str]) -> Grace | None:

@@ -86,7 +86,7 @@ class HangVerdict:
     def from_record(cls, record: Any) -> HangVerdict | None:
         if not isinstance(record, dict) or not isinstance(record.get("line"), str):
             return None
-        ranks = [record.get("named"), record.get("frozen")]
+        ranks: list[Any] = [record.get("named"), record.get("frozen")]
         if not all(isinstance(r, list) and all(isinstance(x, int) for x in r) for r in ranks):
             return None
         if not isinstance(record.get("reporter"), int) or not isinstance(record.get("attempt"), str):
@@ -104,8 +104,9 @@ def find_hang(beats: dict[int, RankBeat | None], *, now: float, limit: float, st
     """
     if not beats or any(beat is None or not beat.armed for beat in beats.values()):
         return None
-    behind = min(beat.position for beat in beats.values())
-    laggards = tuple(beat for beat in beats.values() if beat.position == behind)
+    present = [beat for beat in beats.values() if beat is not None]  # every one of them, as just checked
+    behind = min(beat.position for beat in present)
+    laggards = tuple(beat for beat in present if beat.position == behind)
     phase = laggards[0].phase
     seconds = now - max(beat.since for beat in laggards)
     if phase in EXEMPT_PHASES or seconds <= limit:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -21,7 +23,8 @@ class PreemptionHandler:
     def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
         self.signals = signals
         self.received: int | None = None
-        self._previous: dict[int, object] = {}
+        # What `signal.signal` gave back: a handler, SIG_DFL / SIG_IGN, or None (one installed outside Python).
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def install(self) -> bool:
         """Install the handlers; returns False (and does nothing) outside the main thread, where Python forbids it."""

@@ -133,6 +133,12 @@ class Dispatcher:
                 signal.signal(signum, handler)
             self.heartbeat.remove()
 
+    @property
+    def _own_id(self) -> str:
+        """This dispatcher's id, as its heartbeat names it (`run` starts the heartbeat before anything reads this)."""
+        assert self.heartbeat is not None
+        return self.heartbeat.id
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals.append(signum)
         if self._stop_signal is None:
@@ -163,7 +169,7 @@ class Dispatcher:
             del self.jobs[job_id]
             row = state.job(job_id)
             row.run_dir = job.find_run_dir() or row.run_dir
-            if row.dispatcher != self.heartbeat.id:  # taken from us (a hand-edited state): record nothing
+            if row.dispatcher != self._own_id:  # taken from us (a hand-edited state): record nothing
                 continue
             row.finish_attempt(code, retries=self.retries, forwarded=self._forwarded)
             if killed_late:
@@ -196,7 +202,7 @@ class Dispatcher:
         """Requeue the running rows of dead dispatchers, once their job processes are gone too."""
         alive: dict[str, bool] = {}
         for row in state.jobs:
-            if row.state != "running" or row.slurm_job is not None or row.dispatcher == self.heartbeat.id:
+            if row.state != "running" or row.slurm_job is not None or row.dispatcher == self._own_id:
                 continue
             owner = row.dispatcher or ""
             if owner not in alive:
@@ -219,7 +225,7 @@ class Dispatcher:
             self._start(state, row, slot)
 
     def _start(self, state: SweepState, row: JobRow, slot: Slot) -> None:
-        row.start_attempt(host=self.host, slot=slot.name, dispatcher=self.heartbeat.id)
+        row.start_attempt(host=self.host, slot=slot.name, dispatcher=self._own_id)
         extra = {"PERDURE_SWEEP_DIR": str(self.sweep_dir.resolve()), "PERDURE_SWEEP_JOB": row.id}
         if row.retry:  # the first launch after `perdure sweep retry`: a run stuck in a crash loop tries again
             extra[RETRY_ENV], row.retry = "1", None

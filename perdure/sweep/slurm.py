@@ -247,6 +247,7 @@ def run_task(sweep_dir: str | os.PathLike, job_id: str) -> int:
             row.start_attempt(host=hostname(), slot=f"slurm:{slurm_job}", slurm_job=slurm_job)
             restarts = os.environ.get("SLURM_RESTART_COUNT")
             if restarts:
+                assert row.note is not None  # `start_attempt` just wrote it
                 row.note += f" (SLURM_RESTART_COUNT={restarts})"
             job = _job_process(sweep_dir, state, row, retry=bool(row.retry))
             row.retry = None

@@ -258,7 +258,7 @@ assert set(_ROW_TYPES) == {f.name for f in fields(JobRow)}
 def _parse_row(item: Any, bad: Any) -> JobRow:
     if not isinstance(item, dict):
         raise bad("not an object")
-    values = {}
+    values: dict[str, Any] = {}  # each checked against its `_ROW_TYPES` below
     for key, kinds in _ROW_TYPES.items():
         value = item.get(key)
         if key in ("id", "overrides", "state", "attempts", "failures") and key not in item:

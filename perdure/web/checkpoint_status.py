@@ -162,7 +162,8 @@ def _pointer(root: Path, name: str) -> str | None:
 
 def _describe(name: str, result: Verification, *, latest: str | None, best: str | None) -> dict[str, Any]:
     manifest = result.manifest or {}
-    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    listed = manifest.get("files")
+    files = listed if isinstance(listed, dict) else {}
     sizes = [entry.get("size") for entry in files.values() if isinstance(entry, dict)]
     return {
         "name": name,

@@ -12,7 +12,7 @@ import io
 import json
 import math
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -48,7 +48,7 @@ def read_metrics(path: Path) -> dict[str, dict[str, list[Any]]]:
         steps, values = series.setdefault(f"{row[1]}/{row[2]}", ([], []))
         steps.append(step)
         values.append(value if math.isfinite(value) else None)
-    result = {}
+    result: dict[str, dict[str, list[Any]]] = {}
     for key, (steps, values) in series.items():
         order = sorted(range(len(steps)), key=steps.__getitem__)
         result[key] = {"step": [steps[i] for i in order], "value": [values[i] for i in order]}
@@ -112,11 +112,11 @@ def read_media(path: Path) -> list[dict[str, Any]]:
     return [records[key] for key in sorted(records)]
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _media_path(value: Any) -> bool:
+def _media_path(value: Any) -> TypeGuard[str]:
     if not isinstance(value, str) or "\\" in value or "\0" in value:
         return False
     pure = PurePosixPath(value)

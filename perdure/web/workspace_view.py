@@ -44,7 +44,7 @@ def run_url(run_id: str) -> str:
 class WorkspaceView:
     """Read-only views of the runs under `root` for the web viewer. Thread-safe (the registry and caches lock)."""
 
-    def __init__(self, root: Path | str, *, stale_after: float = 600.0) -> None:
+    def __init__(self, root: Path | str | None, *, stale_after: float = 600.0) -> None:
         self.registry = Registry(root, stale_after=stale_after)
         self.root = self.registry.root.resolve()
         self.metadata = MetadataReader(self.root)

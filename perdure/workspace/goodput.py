@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 ATTEMPT_PARTS = (
     "startup",
@@ -42,7 +42,7 @@ _TIMED = ("startup", "restore", "compile", "evaluation", "checkpoint_stall")
 _CLOCK_NUMBERS = (*_TIMED, "process_started", "at", "training", "steps_timed", "step", "committed_step")
 
 
-def clock_is_valid(clock: Any) -> bool:
+def clock_is_valid(clock: Any) -> TypeGuard[Mapping[str, Any]]:
     """Whether `clock` is a raw record this module can read: an object holding every field as a finite number."""
     if not isinstance(clock, Mapping):
         return False
@@ -123,7 +123,7 @@ def run_goodput(attempts: Sequence[Mapping[str, Any]], parse_time: Any) -> dict[
     }
 
 
-def is_goodput(value: Any) -> bool:
+def is_goodput(value: Any) -> TypeGuard[Mapping[str, Any]]:
     """Whether `value` is a goodput record: `{"fraction": number, "seconds": {part: number}}`."""
     if not isinstance(value, Mapping) or _finite(value.get("fraction")) is None:
         return False

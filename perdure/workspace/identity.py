@@ -238,7 +238,9 @@ def code_id(path: str | os.PathLike | None = None) -> str | None:
     are dirty. `path` defaults to the script's directory (else the cwd). None outside a git checkout or in one
     without commits; `CodeIdentityError` (git's message and the fix) when git cannot read the checkout."""
     root = checkout_root(path)
-    sha = _head(root) if root is not None else None
+    if root is None:
+        return None
+    sha = _head(root)
     if sha is None:
         return None
     diff = _diff(root)
@@ -305,7 +307,9 @@ def git_state(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
     root and the diff text. None outside a git checkout or in one without commits; `CodeIdentityError` as
     `code_id`."""
     root = checkout_root(path)
-    commit = _head(root) if root is not None else None
+    if root is None:
+        return None
+    commit = _head(root)
     if commit is None:
         return None
     diff = _diff(root)

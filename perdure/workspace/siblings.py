@@ -113,7 +113,8 @@ def unfinished_sibling(siblings: list[SiblingRun], *, lineage: str, running_code
     same = [sibling for sibling in siblings if sibling.lineage == lineage and sibling.status is not None]
     ours = [s for s in same if running_code_id is not None and s.last_code_id == running_code_id]
     unfinished = [sibling for sibling in same if sibling.unfinished]
-    return (ours or unfinished or [None])[0]
+    found = ours or unfinished
+    return found[0] if found else None
 
 
 def _seconds_since(created: object) -> float | None:
