@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from torch import nn
 from perdure.checkpoints.snapshot import is_dtensor, local_part
 from perdure.errors import PerdureError
 from perdure.ft.ports import host_port, manager_server_on, own_address, rebind_transport, store_on
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # torch warns once that tensors loaded from a byte stream view read-only memory; the transport copies them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", module="torch.distributed._serialization")
@@ -217,7 +220,7 @@ class GradientAverager:
                     parameter.grad = averaged
 
 
-def _shaped_like(template: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+def _shaped_like(template: DTensor, shard: torch.Tensor) -> torch.Tensor:
     """`shard` as a DTensor with `template`'s mesh, placements and global shape (this rank's part of it)."""
     from torch.distributed.tensor import DTensor
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from http.server import ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 from perdure.errors import PerdureError
 
@@ -43,7 +43,8 @@ def own_address(master: str | None) -> tuple[str, str]:
 
 def _resolved(host: str) -> str | None:
     try:
-        return socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)[0][4][0]
+        # an IPv4 / IPv6 socket address, whose host is a str (typeshed's union also has AF_PACKET's int)
+        return cast(str, socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)[0][4][0])
     except (socket.gaierror, IndexError):
         return None
 

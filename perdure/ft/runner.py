@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perdure.checkpoints.base import CheckpointPolicy, Stateful
 from perdure.checkpoints.commit import CHECKPOINT_PATTERN, read_pointer
@@ -47,6 +47,62 @@ from perdure.ft.replica import ReplicaRunLock, ReplicaStates
 from perdure.ft.telemetry import ReplicaTelemetry
 from perdure.resilience.run_lock import RunLock
 from perdure.runners.rng import derived_seed, seed_everything
+
+if TYPE_CHECKING:
+    import logging
+
+    import torch
+
+    from perdure.checkpoints.base import CheckpointManager
+    from perdure.config import RunnerConfig
+    from perdure.data.loader import ResumableLoader
+    from perdure.runners.state import RunnerState
+    from perdure.runners.telemetry import RunTelemetry
+    from perdure.workspace.run_dir import RunDir
+
+    class _Stack:
+        """What FaultTolerant uses of the stack it sits in front of (`perdure.runners.base.BaseRunner` and its
+        mixins, as they declare it), for mypy only: this module cannot import them, they import it. At run time the
+        layer's base is `object` and the stack comes after it in the runner's MRO."""
+
+        config: RunnerConfig
+        logger: logging.Logger
+        state: RunnerState
+        checkpoints: CheckpointManager
+        telemetry: RunTelemetry
+        run_dir: RunDir
+        rank: int
+        world_size: int
+        device: torch.device
+        optimizer: torch.optim.Optimizer | None
+        dataloaders: dict[str, ResumableLoader]
+        attempt_started: str | None
+        # The stack declares a RunLock; the attempt lifecycle uses only what ReplicaRunLock has of it too.
+        run_lock: RunLock | ReplicaRunLock | None
+
+        def __init__(self, config: RunnerConfig) -> None: ...
+        @property
+        def is_main_process(self) -> bool: ...
+        def random_stream(self) -> int: ...
+        def data_shard(self) -> tuple[int, int]: ...
+        def build_dataloaders(self) -> None: ...
+        def extra_states(self) -> dict[str, Stateful]: ...
+        def checkpoint_states(self) -> dict[str, Stateful]: ...
+        def checkpoint_local_states(self) -> dict[str, Stateful]: ...
+        def restore(self, source: RestoreSource) -> None: ...
+        def begin_step(self) -> bool: ...
+        def commit_step(self) -> bool: ...
+        def save_checkpoint(self, reason: str) -> Path | None: ...
+        def export_model(self) -> Path | None: ...
+        def export_hf(self, target: str | Path | None = None) -> Path | None: ...
+        def close(self, status: str = "stopped", reason: str = "closed") -> None: ...
+        def _position_name(self) -> str: ...
+        def _new_run_lock(self) -> RunLock | ReplicaRunLock: ...
+        def _repair_checkpoints(self) -> None: ...
+        def _attempt_details(self) -> dict[str, Any]: ...
+
+else:
+    _Stack = object
 
 WAIT_FOR_GROUPS_S = 0.5  # pause before retrying a step that lacked ft.min_replica_size groups
 
@@ -78,8 +134,10 @@ class FTProgress:
         self.restored = dict(state)
 
 
-class FaultTolerant:
+class FaultTolerant(_Stack):
     """Mixed in front of a stack (`class X(UserRunner, FaultTolerant, TorchRunner)`); see the module docstring."""
+
+    telemetry: ReplicaTelemetry  # replaces the stack's in `__init__`
 
     def __init__(self, config: Any) -> None:
         # Read before the stack's __init__, which decides the run and takes this group's lock.
@@ -136,6 +194,7 @@ class FaultTolerant:
         if source.kind not in ("resume", "checkpoint"):
             return
         info = source.info
+        assert info is not None  # a resume or checkpoint source carries its checkpoint
         restored = self.ft_progress.restored or {}
         if restored.get("group_size") not in (None, self.group_size):
             self.logger.warning(
@@ -208,6 +267,7 @@ class FaultTolerant:
     def commit_step(self) -> bool:
         """Average the gradients across the participating groups, then the groups' vote on this step."""
         manager = self.ft_manager
+        assert self._averager is not None  # made by `_start_ft`, in the `begin_step` before
         self._averager.average(manager)
         committed = bool(manager.should_commit())
         self._quorum_open = False
@@ -293,11 +353,14 @@ class FaultTolerant:
     # ---- the manager ---------------------------------------------------------------------------------------------
 
     def _lighthouse(self) -> str:
-        return lighthouse_address(self.config.ft.lighthouse)
+        address = lighthouse_address(self.config.ft.lighthouse)
+        assert address is not None  # `check_ft` refused a config without one
+        return address
 
     def _start_ft(self) -> Any:
         """Join the job when the first step begins (never while building the runner): the manager, its servers."""
         ft = self.config.ft
+        assert self.attempt_started is not None  # `train()` began the attempt before its first step
         self.replica_states.manager.token = self.attempt_started
         settings = ManagerSettings(
             replica_id=self.replica_id,
@@ -319,6 +382,7 @@ class FaultTolerant:
         if progress.restored is None:  # a fresh start, or a checkpoint of a plain run: one commit per step taken
             progress.step = self.state.global_step + self.state.skipped_steps
         self.ft_manager.load_state_dict({"step": progress.step, "batches_committed": progress.batches_committed})
+        assert self.optimizer is not None  # the stack built it before training
         parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
         self._averager = GradientAverager(parameters)
         self.logger.info(
@@ -386,10 +450,11 @@ class FaultTolerant:
         finally:
             super().close(status, reason)
 
-    def _new_run_lock(self) -> RunLock:
+    def _new_run_lock(self) -> ReplicaRunLock:
         return ReplicaRunLock(self.run_dir.path, self.replica_id)
 
     def _repair_checkpoints(self) -> None:
+        assert isinstance(self.run_lock, ReplicaRunLock)  # the attempt took the one `_new_run_lock` made
         with self.run_lock.alone() as alone:
             if alone:
                 # Resolved again: a group that died meanwhile may have committed since this runner restored; the

@@ -61,9 +61,10 @@ class ReplicaSidecar(Sidecar):
         self._own: dict[str, Any] | None = None
         self._earlier_ft: Any = None
         super().__init__(run_dir, **identity)
-        self.record_ft = {"replica_id": replica_id, "quorum_changes": [], "heals": []}
+        self.record_ft: dict[str, Any] = {"replica_id": replica_id, "quorum_changes": [], "heals": []}
         earlier = self._earlier_ft if isinstance(self._earlier_ft, dict) else {}
-        replicas = earlier.get("replicas") if isinstance(earlier.get("replicas"), dict) else {}
+        listed = earlier.get("replicas")
+        replicas = listed if isinstance(listed, dict) else {}
         self._data["ft"] = {"group_size": group_size, "replicas": dict(replicas)}
 
     def _load_earlier(self) -> dict[str, Any] | None:
@@ -112,8 +113,10 @@ class ReplicaSidecar(Sidecar):
             return
         others = [a for a in disk["attempts"] if isinstance(a, dict) and _replica_of(a) != self.replica_id]
         self._data["attempts"] = sorted(others + mine, key=lambda a: str(a.get("started")))
-        ft = disk.get("ft") if isinstance(disk.get("ft"), dict) else {}
-        replicas = ft.get("replicas") if isinstance(ft.get("replicas"), dict) else {}
+        stored = disk.get("ft")
+        ft = stored if isinstance(stored, dict) else {}
+        listed = ft.get("replicas")
+        replicas = listed if isinstance(listed, dict) else {}
         self._data["ft"]["replicas"] = {**replicas, str(self.replica_id): record}
         if not self.reporting:
             for key in PROGRESS_KEYS:
@@ -152,6 +155,12 @@ class ReplicaTelemetry(RunTelemetry):
         self.reporting = False
         self._loggers_open = False
 
+    @property
+    def _own_sidecar(self) -> ReplicaSidecar:
+        """The shared sidecar as this group writes it (what `_new_sidecar` makes), once `start` recorded the attempt."""
+        assert isinstance(self.sidecar, ReplicaSidecar)
+        return self.sidecar
+
     def _new_sidecar(self, **identity: Any) -> Sidecar:
         return ReplicaSidecar(
             self.run_dir.path, replica_id=self.replica_id, group_size=self.config.ft.group_size, **identity
@@ -170,7 +179,7 @@ class ReplicaTelemetry(RunTelemetry):
         if not self.active or reporting == self.reporting:
             return
         self.reporting = reporting
-        self.sidecar.reporting = reporting
+        self._own_sidecar.reporting = reporting
         if self._loggers_open:  # files another reporter rewrote meanwhile are reopened, never appended to stale
             self.loggers.close()
             self._loggers_open = False
@@ -178,7 +187,7 @@ class ReplicaTelemetry(RunTelemetry):
             step = self.state.global_step
             self.loggers.open(self.run_dir.path, resumed_step=step, state=self.state, config=self.config)
             self._loggers_open = True
-            self.sidecar.record(step=step, epoch=self.state.epoch)
+            self._own_sidecar.record(step=step, epoch=self.state.epoch)
         logger.info(
             "replica group %d %s the run's reporter (metrics, checkpoints) at step %d",
             self.replica_id,
@@ -202,8 +211,9 @@ class ReplicaTelemetry(RunTelemetry):
         if self.reporting or not self.active:
             super().flush()
             return
+        assert self.heartbeat is not None  # `start` made it
         self.heartbeat.beat(self.state.global_step)
-        self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)  # this group's own attempt
+        self._own_sidecar.record(step=self.state.global_step, epoch=self.state.epoch)  # this group's own attempt
         now = time.monotonic()
         if now - self._sidecar_at > 10.0:
             self._write_sidecar(durable=False)
@@ -212,16 +222,16 @@ class ReplicaTelemetry(RunTelemetry):
     def quorum_changed(self, *, step: int, participants: int, rank: int | None) -> None:
         """The quorum this group takes part in changed: who takes part, and this group's rank in it."""
         if self.active:
-            self.sidecar.add_event("quorum_changes", {"step": step, "participants": participants, "rank": rank})
+            self._own_sidecar.add_event("quorum_changes", {"step": step, "participants": participants, "rank": rank})
             self._write_sidecar(durable=False)
 
     def healed(self, *, from_step: int, to_step: int, seconds: float, source: str) -> None:
         """This group took a newer state: from a live peer (`source="peer"`) or from a committed checkpoint."""
         if self.active:
             event = {"from_step": from_step, "to_step": to_step, "seconds": round(seconds, 3), "source": source}
-            self.sidecar.add_event("heals", event)
+            self._own_sidecar.add_event("heals", event)
             self._write_sidecar()
 
     def step_outcome(self, committed: bool) -> None:
         if self.active:
-            self.sidecar.count("steps_committed" if committed else "steps_uncommitted")
+            self._own_sidecar.count("steps_committed" if committed else "steps_uncommitted")
