@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from perdure.checkpoints.base import CheckpointPolicy, Stateful
 from perdure.checkpoints.commit import CHECKPOINT_PATTERN, read_pointer
@@ -45,64 +45,8 @@ from perdure.ft.manager import (
 )
 from perdure.ft.replica import ReplicaRunLock, ReplicaStates
 from perdure.ft.telemetry import ReplicaTelemetry
-from perdure.resilience.run_lock import RunLock
+from perdure.runners.fields import RunnerFields
 from perdure.runners.rng import derived_seed, seed_everything
-
-if TYPE_CHECKING:
-    import logging
-
-    import torch
-
-    from perdure.checkpoints.base import CheckpointManager
-    from perdure.config import RunnerConfig
-    from perdure.data.loader import ResumableLoader
-    from perdure.runners.state import RunnerState
-    from perdure.runners.telemetry import RunTelemetry
-    from perdure.workspace.run_dir import RunDir
-
-    class _Stack:
-        """What FaultTolerant uses of the stack it sits in front of (`perdure.runners.base.BaseRunner` and its
-        mixins, as they declare it), for mypy only: this module cannot import them, they import it. At run time the
-        layer's base is `object` and the stack comes after it in the runner's MRO."""
-
-        config: RunnerConfig
-        logger: logging.Logger
-        state: RunnerState
-        checkpoints: CheckpointManager
-        telemetry: RunTelemetry
-        run_dir: RunDir
-        rank: int
-        world_size: int
-        device: torch.device
-        optimizer: torch.optim.Optimizer | None
-        dataloaders: dict[str, ResumableLoader]
-        attempt_started: str | None
-        # The stack declares a RunLock; the attempt lifecycle uses only what ReplicaRunLock has of it too.
-        run_lock: RunLock | ReplicaRunLock | None
-
-        def __init__(self, config: RunnerConfig) -> None: ...
-        @property
-        def is_main_process(self) -> bool: ...
-        def random_stream(self) -> int: ...
-        def data_shard(self) -> tuple[int, int]: ...
-        def build_dataloaders(self) -> None: ...
-        def extra_states(self) -> dict[str, Stateful]: ...
-        def checkpoint_states(self) -> dict[str, Stateful]: ...
-        def checkpoint_local_states(self) -> dict[str, Stateful]: ...
-        def restore(self, source: RestoreSource) -> None: ...
-        def begin_step(self) -> bool: ...
-        def commit_step(self) -> bool: ...
-        def save_checkpoint(self, reason: str) -> Path | None: ...
-        def export_model(self) -> Path | None: ...
-        def export_hf(self, target: str | Path | None = None) -> Path | None: ...
-        def close(self, status: str = "stopped", reason: str = "closed") -> None: ...
-        def _position_name(self) -> str: ...
-        def _new_run_lock(self) -> RunLock | ReplicaRunLock: ...
-        def _repair_checkpoints(self) -> None: ...
-        def _attempt_details(self) -> dict[str, Any]: ...
-
-else:
-    _Stack = object
 
 WAIT_FOR_GROUPS_S = 0.5  # pause before retrying a step that lacked ft.min_replica_size groups
 
@@ -134,8 +78,10 @@ class FTProgress:
         self.restored = dict(state)
 
 
-class FaultTolerant(_Stack):
-    """Mixed in front of a stack (`class X(UserRunner, FaultTolerant, TorchRunner)`); see the module docstring."""
+class FaultTolerant(RunnerFields):
+    """Mixed in front of a stack (`class X(UserRunner, FaultTolerant, TorchRunner)`); see the module docstring. What
+    it uses of the stack is declared by its base, `RunnerFields` (perdure/runners/fields.py), the root of every
+    runner class: the stack comes after this layer in the runner's MRO."""
 
     telemetry: ReplicaTelemetry  # replaces the stack's in `__init__`
 

@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from stat import S_ISREG
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from perdure.errors import PerdureError
 from perdure.safe_io import ensure_dir, escape_terminal, kind_of, read_json
@@ -160,6 +160,20 @@ def _command_line(pid: int) -> str:
     except OSError:
         return "command line unreadable"
     return " ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part) or "no command line"
+
+
+class AttemptLock(Protocol):
+    """The lock a runner holds while it may write its run, as the attempt lifecycle uses it
+    (`perdure/runners/attempt.py`): a `RunLock`, or a TorchFT replica group's `perdure.ft.replica.ReplicaRunLock`."""
+
+    @property
+    def held(self) -> bool: ...
+
+    def acquire(self, timeout: float = 0.0, announce: bool = True) -> None: ...
+
+    def announce(self) -> None: ...
+
+    def release(self) -> None: ...
 
 
 class RunLock:

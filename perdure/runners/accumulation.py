@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 
 from perdure.errors import ConfigError, PerdureError
+from perdure.runners.fields import RunnerFields
 
 NORMALIZATIONS = ("mean", "tokens")
 KEY = "loss.normalize"
 
 
-class AccumulationMixin:
+class AccumulationMixin(RunnerFields):
     """`forward_backward` and `loss_tokens` of BaseRunner."""
 
     def forward_backward(self, window: list[Any]) -> torch.Tensor:

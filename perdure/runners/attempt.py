@@ -26,7 +26,8 @@ from perdure.errors import ConfigError, PerdureError, RunStuckError, WeightsMisf
 from perdure.loggers.console import attach_log_file, detach_log_file
 from perdure.resilience.crash_loop import STUCK_EXIT, is_retry, refuse_if_stuck
 from perdure.resilience.hang_watch import HangVerdict
-from perdure.resilience.run_lock import LOCK_NAME, RunLock, RunLockedError
+from perdure.resilience.run_lock import LOCK_NAME, AttemptLock, RunLock, RunLockedError
+from perdure.runners.fields import RunnerFields
 from perdure.workspace.identity import canonical_config
 from perdure.workspace.launch import record_launch
 from perdure.workspace.run_dir import RunDir, resolve_run_dir
@@ -34,7 +35,7 @@ from perdure.workspace.siblings import sibling_runs
 from perdure.workspace.sidecar import Sidecar
 
 
-class AttemptMixin:
+class AttemptMixin(RunnerFields):
     """Deciding the run (reading only), beginning the attempt when training starts, recording a failed setup."""
 
     def _agree(self, decision: tuple[str, Any]) -> Any:
@@ -231,7 +232,7 @@ class AttemptMixin:
             self._release_lock()
             return "error", error
 
-    def _new_run_lock(self) -> RunLock:
+    def _new_run_lock(self) -> AttemptLock:
         """Rank 0, deciding or opening the run: the lock this process holds while it may write the run (not yet
         acquired). Default: the run's exclusive `run.lock`. A TorchFT replica group returns its per-replica lock
         (`perdure.ft.replica.ReplicaRunLock`). Must not touch the disk."""

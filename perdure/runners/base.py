@@ -45,7 +45,6 @@ from perdure.loggers.console import (
     record_error,
 )
 from perdure.resilience.hang_watch import HangWatch
-from perdure.resilience.run_lock import RunLock
 from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.accumulation import AccumulationMixin
 from perdure.runners.attempt import AttemptMixin
@@ -96,11 +95,8 @@ class BaseRunner(
     # ranks, else file). A class set here, on a stack or on the user's runner class, wins over the config.
     checkpoint_manager_class: ClassVar[type[CheckpointManager] | None] = None
 
-    device: torch.device  # set by the stack when it starts (the device this process trains on)
-    model: nn.Module | None
-    criterion: Callable[..., torch.Tensor] | None
-    optimizer: torch.optim.Optimizer | None
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    # Its fields (config, state, model, checkpoints, telemetry, ...) are declared, typed, in `RunnerFields`
+    # (runners/fields.py), the root its parts share; `__init__` sets them.
 
     def __init__(self, config: RunnerConfig) -> None:
         if not isinstance(config, RunnerConfig):
@@ -115,28 +111,28 @@ class BaseRunner(
         self.config = config
         self.logger = get_logger()
         self.state = RunnerState()
-        self.model = None
+        self.model = None  # type: ignore[assignment]  # the user's `__init__` assigns it; `__post_init__` checks
         self.criterion = None
-        self.optimizer = None
+        self.optimizer = None  # type: ignore[assignment]  # the user's `__init__` or else `__post_init__` builds it
         self.scheduler = None
-        self.ema: ExponentialMovingAverage | None = None
-        self.datasets: dict[str, Any] = {}
-        self.collate_fns: dict[str, Callable[[list[Any]], Any]] = {}  # per split: how samples become a batch
-        self.checkpointed: dict[str, Stateful] = {}  # the user's own objects, saved after the runner's
-        self.dataloaders: dict[str, ResumableLoader] = {}
+        self.ema = None
+        self.datasets = {}
+        self.collate_fns = {}  # per split: how samples become a batch
+        self.checkpointed = {}  # the user's own objects, saved after the runner's
+        self.dataloaders = {}
         self.is_best = False
-        self.save_failures: list[str] = []
+        self.save_failures = []
         self._ending = False
-        self._budget_done: Callable[[], bool] = lambda: False
+        self._budget_done = lambda: False
         self.preemption = PreemptionHandler()
         self.stop_signal = 0  # the signal all ranks agreed to stop for (0: none)
         self.rank, self.world_size = self.init_distributed()
         settle_gloo_workers_at_exit()  # a rank that leaves right after a collective must not abort (gloo_exit.py)
         seed_everything(config.seed)
 
-        self.run_lock: RunLock | None = None  # rank 0: an existing run's from `__init__`, a new one's from `train()`
-        self.attempt_started: str | None = None  # the attempt's UTC stamp, set when `train()` begins it
-        self._log_file: logging.Handler | None = None  # the attempt's log file, from `train()` to `close()`
+        self.run_lock = None  # rank 0: an existing run's from `__init__`, a new one's from `train()`
+        self.attempt_started = None  # the attempt's UTC stamp, set when `train()` begins it
+        self._log_file = None  # the attempt's log file, from `train()` to `close()`
         self.inspection = building_for_inspection()  # `from_checkpoint`: a setup failure then records nothing
         if not self.is_main_process:
             self.logger.setLevel(logging.WARNING)  # rank 0 alone reports progress
@@ -155,9 +151,9 @@ class BaseRunner(
         self.hang_watch = HangWatch.for_runner(self)  # dist.step_timeout: started with the attempt (attempt.py)
         loggers = self.metric_loggers() if self.is_main_process else []
         self.telemetry = RunTelemetry(self.run_dir, config, self.state, loggers, active=self.is_main_process)
-        self._saved_position: tuple[int, int, int] | None = None
-        self._topology_change: dict[str, Any] | None = None  # set by a restore on another world size
-        self._losses: list[torch.Tensor] = []
+        self._saved_position = None
+        self._topology_change = None  # set by a restore on another world size
+        self._losses = []
         self._skips = SkippedSteps(config.resilience.max_consecutive_skips)
         self.meter = ThroughputMeter(self.world_size)  # the speed, memory and ETA columns of train log lines
         self.stragglers = StragglerWatch(self.rank, self.world_size)  # each rank's step time, at log lines

@@ -27,6 +27,7 @@ from perdure.resilience.grace import GraceCheck, find_grace
 from perdure.resilience.hang_watch import watched_phase
 from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
 from perdure.runners.export import StreamSource, export_streamed, export_weights, read_weights, save_safetensors
+from perdure.runners.fields import RunnerFields
 from perdure.runners.hf_export import check_hf_export, export_hf, hf_metadata, hf_requested
 from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
@@ -46,7 +47,7 @@ RUNNER_STATE_NAMES = frozenset(
 USER_STATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # no dots: DCP keys are `name.` + the object's keys
 
 
-class CheckpointingMixin:
+class CheckpointingMixin(RunnerFields):
     """The runner's side of the checkpoint contract: which objects go in (and in what order they come back), when a
     position counts as saved, failures, exports, and the `from_checkpoint` / `from_pretrained` constructors. Part of
     `BaseRunner` (one concept per file); the bytes and the commit protocol belong to the CheckpointManager."""

@@ -7,9 +7,10 @@ import math
 from perdure.data.iterable import warn_if_unresumable
 from perdure.data.loader import ResumableLoader
 from perdure.errors import PerdureError
+from perdure.runners.fields import RunnerFields
 
 
-class DataSetupMixin:
+class DataSetupMixin(RunnerFields):
     """One ResumableLoader per split, and the scheduler's step budget. Part of `BaseRunner` (one concept per file); it
     uses the runner's `config`, `datasets`, `dataloaders` and the stack's `data_shard` / `data_parallel_rank`."""
 

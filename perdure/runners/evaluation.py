@@ -15,6 +15,7 @@ from perdure.data.loader import ResumableLoader
 from perdure.distributed.collectives import all_gather_object, max_each_over_ranks, max_over_ranks, sum_over_ranks
 from perdure.errors import PerdureError
 from perdure.resilience.hang_watch import watched_phase
+from perdure.runners.fields import RunnerFields
 from perdure.runners.rng import RNGState
 
 _NO_BATCH = object()  # an iterator's end, as `next(iterator, _NO_BATCH)` says it
@@ -29,7 +30,7 @@ class EvaluationStopped(Exception):
         self.batch = batch
 
 
-class EvaluationMixin:
+class EvaluationMixin(RunnerFields):
     """Evaluation loops, results history, best score and early stopping, and an evaluation a preemption signal stops.
     Part of `BaseRunner` (one concept per file); it uses the runner's `config`, `state`, `model`, `dataloaders`,
     `autocast`, `evaluate_step`, `stop_requested`, `checkpoints` and `_stop_for_preemption`."""

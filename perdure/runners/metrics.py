@@ -10,12 +10,13 @@ import torch
 from perdure.data.loader import ResumableLoader
 from perdure.loggers.base import MetricLogger
 from perdure.loggers.factory import build_loggers
+from perdure.runners.fields import RunnerFields
 from perdure.runners.losses import mean_loss
 from perdure.runners.peak_flops import device_peak_flops
 from perdure.runners.throughput import model_device
 
 
-class MetricsMixin:
+class MetricsMixin(RunnerFields):
     """The throughput meter's start, the train log line, and the public `log_metrics` / `log_image`. Part of
     `BaseRunner` (one concept per file); it uses the runner's `state`, `config`, `optimizer`, `meter`, `telemetry` and
     the loop's pending `_losses`."""
