@@ -32,7 +32,7 @@ lint: $(STAMP)
 
 # Two workers: most tests wait on the processes they launch (kills, ranks, replica groups), so two keep both cores busy.
 test: lint
-	$(VENV)/bin/pytest -q -n 2 --dist worksteal --durations=30
+	$(VENV)/bin/pytest -q -n 2 --dist worksteal --durations=20 -p tests.cpu_report
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

@@ -1,6 +1,7 @@
-"""What each test costs in CPU seconds, whatever else the machine runs: `pytest -p tests.cpu_report` (or
-`make test-cpu`) writes one JSON line per test to `$PERDURE_TEST_CPU_REPORT` (default `test-cpu.jsonl`), and
-`python -m tests.cpu_report FILE` prints the tests and files that cost most.
+"""What each test costs in CPU seconds, whatever else the machine runs: `pytest -p tests.cpu_report` (`make test`
+loads it) writes one JSON line per test to `$PERDURE_TEST_CPU_REPORT` (by default a file in the temporary directory,
+named at the end of the run), and prints the files and tests that cost most after pytest's own summary;
+`python -m tests.cpu_report FILE [N]` prints them again.
 
 Wall time is a poor guide on a loaded machine: two workers share two cores with every rank, writer process and
 server their tests start, so a test's duration mostly says what ran beside it. CPU time does not. A test's CPU is
@@ -14,6 +15,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -41,17 +43,37 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _zygote_children_seconds()
 
 
+REPORT = "PERDURE_TEST_CPU_REPORT"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the controller (or a run without workers): one report file for the session; workers inherit its name."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if REPORT not in os.environ:
+        os.environ[REPORT] = os.path.join(tempfile.gettempdir(), f"perdure-test-cpu-{os.getpid()}.jsonl")
+    Path(os.environ[REPORT]).write_text("")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") or not Path(os.environ[REPORT]).stat().st_size:
+        return
+    terminalreporter.section("CPU seconds (tests/cpu_report.py)")
+    summarize(Path(os.environ[REPORT]), 15, write=terminalreporter.write_line)
+    terminalreporter.write_line(f"every test: {os.environ[REPORT]}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     cpu, wall = _cpu_seconds(), time.monotonic()
     yield
     record = {"test": item.nodeid, "cpu": round(_cpu_seconds() - cpu, 2), "wall": round(time.monotonic() - wall, 2)}
-    path = Path(os.environ.get("PERDURE_TEST_CPU_REPORT", "test-cpu.jsonl"))
+    path = Path(os.environ[REPORT])
     with path.open("a") as report:
         report.write(json.dumps(record) + "\n")
 
 
-def summarize(path: Path, top: int = 40) -> None:
+def summarize(path: Path, top: int = 40, write=print) -> None:
     records = [json.loads(line) for line in path.read_text().splitlines()]
     by_file: Counter[str] = Counter()
     wall_by_file: Counter[str] = Counter()
@@ -59,13 +81,13 @@ def summarize(path: Path, top: int = 40) -> None:
         by_file[record["test"].split("::")[0]] += record["cpu"]
         wall_by_file[record["test"].split("::")[0]] += record["wall"]
     total = sum(record["cpu"] for record in records)
-    print(f"{len(records)} tests, {total:.0f} CPU seconds ({total / 60:.1f} CPU minutes)")
-    print("\nfiles by CPU seconds (wall seconds beside):")
+    write(f"{len(records)} tests, {total:.0f} CPU seconds ({total / 60:.1f} CPU minutes)")
+    write("files by CPU seconds (wall seconds beside):")
     for name, seconds in by_file.most_common(top):
-        print(f"{seconds:8.1f} {wall_by_file[name]:8.1f}  {name}")
-    print("\ntests by CPU seconds:")
+        write(f"{seconds:8.1f} {wall_by_file[name]:8.1f}  {name}")
+    write("tests by CPU seconds (wall seconds beside):")
     for record in sorted(records, key=lambda record: -record["cpu"])[:top]:
-        print(f"{record['cpu']:8.1f} {record['wall']:8.1f}  {record['test']}")
+        write(f"{record['cpu']:8.1f} {record['wall']:8.1f}  {record['test']}")
 
 
 if __name__ == "__main__":
