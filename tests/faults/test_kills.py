@@ -31,6 +31,7 @@ from tests.runs import (
 # with retention on, so kills land in training, in writing, in committing, in pointer updates and in pruning. Each
 # test's budget (--steps) is large enough that every kill lands before the run could finish: 9 kills at most 0.3 s
 # into training, at least 0.04 s a step, reach step 68 at most; 6 kills at most 1.2 s in (the process writer's) 180.
+# (The tests make 7 and 4: each kill is a launch, and the kills at chosen points below cover each phase anyway.)
 # The budget is also what the reference and the final rerun train, so it is kept no larger than that.
 # A kill at a chosen point of the save lands by the 4th save (step 8).
 MODEL = ("--width", "256", "--depth", "2", "--ckpt.interval", "2", "--ckpt.keep_latest_k", "2")
@@ -76,7 +77,7 @@ def kill_at_random(root: Path, args: tuple[str, ...], delay: float, loss_log: Pa
 
 @pytest.mark.parametrize(
     ("mode", "kills", "longest", "steps"),
-    [("disabled", 9, 0.3, 80), ("thread", 9, 0.3, 80), ("process", 6, 1.2, 200)],
+    [("disabled", 7, 0.3, 80), ("thread", 7, 0.3, 80), ("process", 4, 1.2, 200)],
 )
 def test_random_kills_never_corrupt_and_resume_bit_exact(tmp_path_factory, tmp_path, mode, kills, longest, steps):
     # Kills this close together often land before a new checkpoint: three in a row would make the run `stuck` (exit
