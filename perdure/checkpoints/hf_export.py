@@ -22,7 +22,7 @@ import shutil
 import struct
 import sys
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeGuard
 
 import torch
 
@@ -168,8 +168,9 @@ def write_state_dict(directory: Path, weights: dict[str, torch.Tensor], max_shar
     writer.finish()
 
 
-def is_hf_model(model: torch.nn.Module) -> bool:
-    """Whether `model` is a `transformers.PreTrainedModel`, without importing transformers when nothing else has."""
+def is_hf_model(model: torch.nn.Module) -> TypeGuard[Any]:
+    """Whether `model` is a `transformers.PreTrainedModel`, without importing transformers when nothing else has (an
+    optional dependency: a type checker reads such a model as Any)."""
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 

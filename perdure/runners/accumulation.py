@@ -89,7 +89,7 @@ def window_scale(counts: list[torch.Tensor | int], world_size: int) -> torch.Ten
     return (world_size / total).to(torch.float32)
 
 
-def check_loss_normalization(runner_class: type, config: Any) -> None:
+def check_loss_normalization(runner_class: type[AccumulationMixin], config: Any) -> None:
     """Before anything is written: `loss.normalize=tokens` needs `loss_tokens` overridden, and no TorchFT replica
     groups (they average their gradients with equal weights, whatever tokens each group counted)."""
     if config.loss.normalize != "tokens":

@@ -88,6 +88,7 @@ class AttemptMixin(RunnerFields):
             if source.info is not None:
                 self._check_same_config(source.info)
             if source.kind == "pretrained":
+                assert source.path is not None  # a pretrained source carries its weights' path
                 self.read_pretrained(source.path)  # unreadable weights are refused before anything is written
             if self.run_lock is not None:  # an existing run: refused when its last attempts made no progress
                 refuse_if_stuck(
@@ -106,6 +107,7 @@ class AttemptMixin(RunnerFields):
     def _announce_run(self, run_dir: RunDir, source: RestoreSource) -> None:
         """Say where a restarted launch continues, and which runs a fresh start could have continued instead."""
         if run_dir.continued_launch:
+            assert run_dir.launch is not None  # found through the launch index: a restart of that launch
             self.logger.info("restart %d of launch %s: continuing %s, the run its first attempt started",
                              run_dir.launch.restart, run_dir.launch.key, run_dir.path)  # fmt: skip
         elif run_dir.launch is not None and run_dir.launch.is_restart:
@@ -170,14 +172,15 @@ class AttemptMixin(RunnerFields):
         opened is closed and the lock released. Nothing committed is touched."""
         self.state.attempt += 1
         try:
-            self.attempt_started = self._agree(self._open_attempt() if self.is_main_process else ("", None))
+            started: str = self._agree(self._open_attempt() if self.is_main_process else ("", None))
+            self.attempt_started = started
         except BaseException:
             self.telemetry.abandon()
             self._release()
             raise
-        self.checkpoints.token = self.attempt_started
+        self.checkpoints.token = started
         self.logger.removeHandler(self._early_records)
-        self.hang_watch.start(self.attempt_started, on_hang=self._record_hang)
+        self.hang_watch.start(started, on_hang=self._record_hang)
 
     def _record_hang(self, verdict: HangVerdict) -> None:
         """On the hang watch's thread, before this rank exits `hung`: rank 0 ends the attempt's record with the
@@ -185,6 +188,7 @@ class AttemptMixin(RunnerFields):
         if self.is_main_process:
             self.telemetry.record_hang(verdict.line)
         elif verdict.reporter == self.rank and 0 in verdict.frozen:
+            assert self.attempt_started is not None  # the watch starts once the attempt has its stamp
             self.telemetry.record_hang_for(self.attempt_started, verdict.line)
 
     def _open_attempt(self) -> tuple[str, Any]:
@@ -283,10 +287,11 @@ class AttemptMixin(RunnerFields):
         if outcome != "ok":
             self.logger.warning("the failed setup is not recorded in %s: %s", self.run_dir.path, value)
             return
-        self.attempt_started = value
-        self._log_file = attach_log_file(self.run_dir.logs / f"{self.attempt_started}.log")
+        started: str = value
+        self.attempt_started = started
+        self._log_file = attach_log_file(self.run_dir.logs / f"{started}.log")
         self._early_records.replay_into(self._log_file)
         self.logger.removeHandler(self._early_records)
         self.logger.error("setup of run %s failed: %s", self.run_dir.path, reason)
-        self.telemetry.record_failed_setup(attempt=self.attempt_started, reason=reason, details=self._attempt_details(),
+        self.telemetry.record_failed_setup(attempt=started, reason=reason, details=self._attempt_details(),
                                            source=self.restore_source.info)  # fmt: skip

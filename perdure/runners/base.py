@@ -25,7 +25,7 @@ import signal
 from abc import ABCMeta
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ class RunnerMeta(ABCMeta):
     that raises is recorded as a failed attempt of the run it was building (see `BaseRunner._setup_failed`)."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        runner = cls.__new__(cls)
+        runner = cast(Any, cls).__new__(cls)  # the runner class's own `__new__` (a checker reads the metaclass's)
         try:
             runner.__init__(*args, **kwargs)
             runner.__post_init__()
@@ -147,6 +147,7 @@ class BaseRunner(
         if not self.is_main_process:
             self.checkpoints = self._checkpoint_manager()
         if self.restore_source.kind == "pretrained":
+            assert self.restore_source.path is not None  # a pretrained source carries its weights' path
             self._pretrained_weights = self.read_pretrained(self.restore_source.path)
         self.hang_watch = HangWatch.for_runner(self)  # dist.step_timeout: started with the attempt (attempt.py)
         loggers = self.metric_loggers() if self.is_main_process else []
@@ -311,7 +312,7 @@ class BaseRunner(
         `self.state`: the runner owns those, which is what makes accumulation, skipping and resuming exact.
         """
         inputs, target = self.unpack_batch(batch)
-        return self.criterion(self.model(inputs), target)
+        return self._criterion()(self.model(inputs), target)
 
     def evaluate_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
         """Metrics of one evaluation batch, averaged over the split weighted by batch size.
@@ -320,7 +321,16 @@ class BaseRunner(
         from the global RNGs.
         """
         inputs, target = self.unpack_batch(batch)
-        return {"loss": self.criterion(self.model(inputs), target)}
+        return {"loss": self._criterion()(self.model(inputs), target)}
+
+    def _criterion(self) -> Callable[..., torch.Tensor]:
+        """`self.criterion`, which the default `train_step` and `evaluate_step` call."""
+        if self.criterion is None:
+            raise PerdureError(
+                f"{type(self).__name__} has no self.criterion: the default train_step and evaluate_step compute "
+                "criterion(model(input), target); assign self.criterion in __init__, or override them"
+            )
+        return self.criterion
 
     def infer_step(self, batch: Any) -> torch.Tensor:
         """Model output of one batch for `infer`. Called under `evaluation_context()` in eval mode."""
@@ -413,11 +423,13 @@ class BaseRunner(
     def train_steps(self) -> None:
         """Train until `global_step` reaches `config.steps` (epochs roll over as the data runs out)."""
         budget = self.config.steps
+        assert budget is not None  # `train()` calls this in steps mode: `config.steps` is the budget
         self._fit(lambda: self.state.global_step >= budget, f"{budget} steps")
 
     def train_epochs(self) -> None:
         """Train until `epoch` reaches `config.epochs`."""
         budget = self.config.epochs
+        assert budget is not None  # `train()` calls this in epochs mode: `config.epochs` is the budget
         self._fit(lambda: self.state.epoch >= budget, f"{budget} epochs")
 
     def _fit(self, budget_reached: Callable[[], bool], budget: str) -> None:

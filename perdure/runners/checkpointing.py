@@ -37,7 +37,7 @@ from perdure.workspace.identity import canonical_config, config_diff
 from perdure.workspace.run_dir import resolve_run_dir
 
 if TYPE_CHECKING:
-    from perdure.runners.base import BaseRunner
+    from typing_extensions import Self
 
 
 # The names of the runner's own objects, replicated and rank-local, on every stack: not for `self.checkpointed`.
@@ -171,14 +171,15 @@ class CheckpointingMixin(RunnerFields):
             return
         self._snapshot_buffers_reserved = True
         if self.config.ckpt.enabled and self.config.ckpt.async_mode != "disabled":
-            tensors = {}  # by storage: a parameter is in the model's state dict and among what the step changes
+            # by storage: a parameter is in the model's state dict and among what the step changes
+            tensors: dict[tuple[str, int], torch.Tensor] = {}
             for tensor in [*self.unwrap_model().state_dict().values(), *self._tensors_changed_by_step()]:
                 tensors.setdefault(storage_key(tensor), tensor)
             self.checkpoints.reserve_snapshot_buffers(tensors.values())
 
     def _tensors_changed_by_step(self) -> list[torch.Tensor]:
         """Tensors only the optimizer step (and the EMA update after it) changes: an async save copies them late."""
-        tensors = list(self.unwrap_model().parameters())
+        tensors: list[torch.Tensor] = list(self.unwrap_model().parameters())
         for state in self.optimizer.state.values():
             tensors.extend(value for value in state.values() if isinstance(value, torch.Tensor))
         if self.ema is not None:
@@ -224,21 +225,24 @@ class CheckpointingMixin(RunnerFields):
         """Load what `choose_restore_source` decided, in the order state, model, EMA, optimizer, scheduler, data."""
         self.logger.info("%s", source.describe())
         if source.kind in ("resume", "checkpoint"):
-            if not self.checkpoints.load(source.info, self.checkpoint_states(), self.checkpoint_local_states()):
+            info = source.info
+            assert info is not None  # a resume or checkpoint source carries its checkpoint
+            if not self.checkpoints.load(info, self.checkpoint_states(), self.checkpoint_local_states()):
                 seed = derived_seed(self.config.seed, self.random_stream(), self.state.global_step)
                 seed_everything(seed)
                 self.logger.warning(
                     "%s was written by %s and holds no state for rank %d: its RNGs are seeded from (seed, rank, "
                     "step) = %d instead; its data position comes from the replicated state",
-                    source.info.name,
-                    counted(source.info.manifest.get("world_size"), "rank"),
+                    info.name,
+                    counted(info.manifest.get("world_size"), "rank"),
                     self.rank,
                     seed,
                 )
             self._saved_position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
-            self._note_topology(source.info)
-            self._note_dataset_change(source.info)
+            self._note_topology(info)
+            self._note_dataset_change(info)
         elif source.kind == "pretrained":
+            assert source.path is not None  # a pretrained source carries its weights' path
             weights = in_model_layout(self._pretrained_weights, source.path, self.state_dict_adapter())
             del self._pretrained_weights
             load_matching_weights(self.unwrap_model(), weights, source.path)
@@ -374,7 +378,7 @@ class CheckpointingMixin(RunnerFields):
         """Write full (unsharded) weights, and EMA weights, each when given, in every format of `ckpt.export_format`."""
         dtype, formats = self.config.ckpt.export_dtype, self.config.ckpt.export_format
         formats = [formats] if isinstance(formats, str) else formats
-        written = []
+        written: list[Path] = []
         for name, state in (("model", weights), ("model-ema", ema)):
             if state is None:
                 continue
@@ -397,7 +401,7 @@ class CheckpointingMixin(RunnerFields):
         metadata = {}
         if self.is_main_process:  # published with the file, as write_exports does
             metadata = {"format": "pt", "run": self.run_dir.run_id, "checkpoint": self._position_name()}
-        written = []
+        written: list[Path] = []
         for name, source in sources.items():
             paths = {fmt: self.run_dir.path / f"{name}.{fmt}" for fmt in formats} if self.is_main_process else None
             export_streamed(source, formats, paths, dtype, metadata)
@@ -405,7 +409,7 @@ class CheckpointingMixin(RunnerFields):
         return written[0] if written else None
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, config_class: type[RunnerConfig] = RunnerConfig) -> BaseRunner:
+    def from_checkpoint(cls, path: str | Path, config_class: type[RunnerConfig] = RunnerConfig) -> Self:
         """Rebuild a runner from the config stored in a checkpoint and restore its full state.
 
         `path` may be a run dir, its `checkpoints/` dir, or one checkpoint dir. Looking at the runner (`evaluate`,
@@ -439,7 +443,7 @@ class CheckpointingMixin(RunnerFields):
             _INSPECTION.reset(token)
 
     @classmethod
-    def from_pretrained(cls, config: RunnerConfig, path: str | Path) -> BaseRunner:
+    def from_pretrained(cls, config: RunnerConfig, path: str | Path) -> Self:
         """Build a runner from a copy of `config` and load model weights only from `path` (an export or a checkpoint).
         The caller's `config` is left as it was."""
         config = config.deepcopy()
@@ -493,7 +497,7 @@ def read_stored_config(checkpoint: Path) -> dict[str, Any]:
 class _DataPosition:
     """The training loader's rank-local position, as a Stateful for checkpoints."""
 
-    def __init__(self, runner: BaseRunner) -> None:
+    def __init__(self, runner: RunnerFields) -> None:
         self.runner = runner
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch._dynamo.eval_frame import OptimizedModule
 
 COMPILE_PREFIX = "_orig_mod."
 V = TypeVar("V")
@@ -31,7 +34,7 @@ def compile_model(module: nn.Module, config: Any) -> nn.Module:
     return module
 
 
-def is_compiled(module: nn.Module) -> bool:
+def is_compiled(module: nn.Module) -> TypeGuard[OptimizedModule]:
     """Whether `module` is a `torch.compile` wrapper (`OptimizedModule`). Without importing dynamo: nothing can be
     compiled before it is imported."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")

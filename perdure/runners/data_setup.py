@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from perdure.data.iterable import warn_if_unresumable
 from perdure.data.loader import ResumableLoader
@@ -55,8 +56,10 @@ class DataSetupMixin(RunnerFields):
     def total_steps_hint(self) -> int:
         """The step budget a scheduler should span (epoch mode: epochs times optimizer steps per epoch)."""
         if self.config.training_mode() == "steps":
-            return self.config.steps
-        dataset = self.datasets.get("train")
+            steps = self.config.steps
+            assert steps is not None  # steps mode: `config.steps` is the budget
+            return steps
+        dataset: Any = self.datasets.get("train")
         readers = self.data_parallel_rank()[1]
         batches = math.ceil(len(dataset) / (self.config.loader_options("train")["batch_size"] * readers))
         return self.config.epochs * math.ceil(batches / self.config.accum_steps)

@@ -159,8 +159,8 @@ class EvaluationMixin(RunnerFields):
         """Turn weighted sums into means, after summing `totals` and `count` over every rank (each evaluates its own
         share of the split, uneven shares included)."""
         names = list(totals)  # evaluate_step's order, the same on every rank
-        *sums, count = sum_over_ranks([totals[name] for name in names] + [float(count)])
-        return {name: total / max(count, 1) for name, total in zip(names, sums)}
+        *sums, samples = sum_over_ranks([totals[name] for name in names] + [float(count)])
+        return {name: total / max(samples, 1) for name, total in zip(names, sums)}
 
     def infer(self, split: str) -> torch.Tensor:
         """Concatenated `infer_step` outputs over a whole split, in order."""

@@ -47,18 +47,18 @@ from perdure.runners.compile import plain_name, uncompiled
 from perdure.runners.export import EXPORT_DTYPES, cast_weights
 
 if TYPE_CHECKING:
-    from perdure.runners.base import BaseRunner
+    from perdure.runners.checkpointing import CheckpointingMixin
 
 HF_DIR, HF_EMA_DIR = "hf", "hf-ema"
 SHARDED_DIR = "sharded"  # where HuggingFaceStorageWriter puts each rank's files before consolidating them
 
 
-def hf_requested(runner: BaseRunner) -> bool:
+def hf_requested(runner: CheckpointingMixin) -> bool:
     formats = runner.config.ckpt.export_format
     return "hf" in ([formats] if isinstance(formats, str) else formats)
 
 
-def check_hf_export(runner: BaseRunner) -> None:
+def check_hf_export(runner: CheckpointingMixin) -> None:
     """Before anything is written: a model that is not a `transformers.PreTrainedModel` can be exported as `hf` only
     with the config its program gives (`hf_config()`)."""
     if not hf_requested(runner) or is_hf_model(uncompiled(runner.model)):
@@ -76,7 +76,7 @@ def check_hf_export(runner: BaseRunner) -> None:
     check_hf_config(config, f"{name}.hf_config()")
 
 
-def hf_metadata(runner: BaseRunner) -> str:
+def hf_metadata(runner: CheckpointingMixin) -> str:
     """`hf.json` of each checkpoint: what `perdure ckpt export --format hf` needs besides the weights."""
     model = uncompiled(runner.unwrap_model())
     config, generation = _configs(runner)
@@ -112,7 +112,7 @@ def tied_keys(model: torch.nn.Module) -> list[str]:
     return tied
 
 
-def _configs(runner: BaseRunner) -> tuple[Any, Any]:
+def _configs(runner: CheckpointingMixin) -> tuple[Any, Any]:
     """(config, generation config or None): the model's own for a PreTrainedModel (naming its class in
     `architectures`, as `save_pretrained` does), else `hf_config()`'s."""
     model = uncompiled(runner.unwrap_model())
@@ -123,7 +123,7 @@ def _configs(runner: BaseRunner) -> tuple[Any, Any]:
     return runner.hf_config(), None
 
 
-def export_hf(runner: BaseRunner, target: Path | None = None) -> Path | None:
+def export_hf(runner: CheckpointingMixin, target: Path | None = None) -> Path | None:
     """Write the `hf` export of the model (`target`, default `<run dir>/hf`) and of its EMA weights (`hf-ema` beside
     it). Called on every rank (a sharded model is written collectively); returns the model's directory on the main
     process, None on the others."""
@@ -134,7 +134,9 @@ def export_hf(runner: BaseRunner, target: Path | None = None) -> Path | None:
         jobs.append((target.with_name(target.name + "-ema") if target.name != HF_DIR else target.parent / HF_EMA_DIR,
                      True))  # fmt: skip
     for directory, ema in jobs:
-        staging = Path(broadcast_object(str(staging_dir(directory)) if runner.is_main_process else None))
+        shared = broadcast_object(str(staging_dir(directory)) if runner.is_main_process else None)
+        assert shared is not None  # every rank receives the main process's
+        staging = Path(shared)
         try:
             _write_weights(runner, staging, ema)
             if runner.is_main_process:
@@ -153,7 +155,7 @@ def export_hf(runner: BaseRunner, target: Path | None = None) -> Path | None:
     return None
 
 
-def _write_weights(runner: BaseRunner, staging: Path, ema: bool) -> None:
+def _write_weights(runner: CheckpointingMixin, staging: Path, ema: bool) -> None:
     from perdure.runners.deepspeed_runner import DeepSpeedRunner
     from perdure.runners.parallel_runner import ParallelRunner
 
@@ -163,8 +165,12 @@ def _write_weights(runner: BaseRunner, staging: Path, ema: bool) -> None:
         from perdure.checkpoints.module_state import module_state_dict
 
         state: dict[str, Any] = {}
-        for part in [runner.ema.shadow] if ema else runner.model_parts:
-            state.update(part if ema else module_state_dict(part))
+        if ema:
+            assert runner.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
+            state.update(runner.ema.shadow)
+        else:
+            for part in runner.model_parts:
+                state.update(module_state_dict(part))
         state = adapter.to_hf(state) if adapter is not None else _untied(state, runner)
         _write_with_dcp(_distinct(state, every_rank=True), staging, dtype)
         return
@@ -177,7 +183,11 @@ def _write_weights(runner: BaseRunner, staging: Path, ema: bool) -> None:
     elif runner.is_main_process or deepspeed:  # a ZeRO-3 EMA gathers its partitions: every rank takes part
         from perdure.runners.compile import plain_state_dict
 
-        weights = runner.ema.weights() if ema else plain_state_dict(runner.unwrap_model())
+        if ema:
+            assert runner.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
+            weights = runner.ema.weights()
+        else:
+            weights = plain_state_dict(runner.unwrap_model())
     if not runner.is_main_process:
         return
     weights = adapter.to_hf(weights) if adapter is not None else _untied(weights, runner)
@@ -189,7 +199,7 @@ def _write_weights(runner: BaseRunner, staging: Path, ema: bool) -> None:
         write_state_dict(staging, _distinct(weights))
 
 
-def _untied(state: dict[str, Any], runner: BaseRunner) -> dict[str, Any]:
+def _untied(state: dict[str, Any], runner: CheckpointingMixin) -> dict[str, Any]:
     tied = set(tied_keys(uncompiled(runner.unwrap_model())))
     return {key: value for key, value in state.items() if key not in tied}
 
@@ -238,6 +248,7 @@ def _deepspeed_tensors(runner: Any) -> Iterator[tuple[str, torch.Tensor]]:
         elif runner.is_main_process:
             full = value.detach()
         if runner.is_main_process:
+            assert full is not None  # the main process gathered or holds every tensor
             yield name, full.cpu()
 
 
@@ -263,6 +274,7 @@ def _stream(runner: Any, staging: Path, dtype: torch.dtype | None) -> None:
     parameter at a time, never the model."""
     writer = HFShardWriter(staging, _deepspeed_specs(runner, dtype)) if runner.is_main_process else None
     for name, tensor in _deepspeed_tensors(runner):  # yields on the main process only; every rank gathers
+        assert writer is not None  # tensors are yielded on the main process only, which holds the writer
         writer.add(name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
         del tensor
     if writer is not None:

@@ -190,7 +190,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | Non
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     if local.is_meta or local.numel() == 0:
         return None
-    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(tensor.shape))
+    return (local.untyped_storage().data_ptr(), int(local.storage_offset()), tuple(tensor.shape))
 
 
 def _draw_seed(seed: int, name: str, count: int) -> int:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ def apply_model_parallel(model: nn.Module, mesh: Any, topology: Topology) -> Non
             "one (e.g. a tensor-parallel plan with torch.distributed.tensor.parallel.parallelize_module on "
             "mesh['tp']), or set those axes to 1",
         )
-    model.parallelize(mesh)
+    cast(Any, model).parallelize(mesh)  # the method of its class, found above
 
 
 @contextlib.contextmanager
@@ -122,7 +122,7 @@ def apply_fsdp(
     (1-D: FSDP; 2-D replicate x shard: HSDP). The root is not resharded after the forward: its backward comes next."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    options: dict[str, Callable | Any] = {
+    options: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": mp_policy,
         "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),

@@ -20,7 +20,7 @@ training or evaluation); every stage of a pipeline reads batches of the same siz
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ def split_model(model: nn.Module, indices: list[int], num_stages: int) -> list[n
     whole = {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
     stages = []
     for index in indices:
-        stage = model.pipeline_stage(index, num_stages)
+        stage = cast(Any, model).pipeline_stage(index, num_stages)  # the method of its class, found above
         check_stage(stage, index, num_stages, whole)
         stages.append(stage)
     return stages
@@ -153,7 +153,8 @@ class Pipeline:
 
         key = (mode, batch_size)
         if key not in self._schedules:
-            stages = [
+            # Each schedule takes a list of torch's private stage base class, which PipelineStage subclasses.
+            stages: list[Any] = [
                 PipelineStage(part, index, self.num_stages, self.device, group=self.group)
                 for part, index in zip(self.parts, self.indices)
             ]
@@ -161,6 +162,7 @@ class Pipeline:
                 # Forward only, the batch as one microbatch: the data ranks' last batches may differ in size, and
                 # FSDP needs the same number of forwards on each
                 count = 1
+                schedule: Any
                 if len(stages) > 1:
                     schedule = ScheduleLoopedBFS(stages, count, loss_fn=self._loss, scale_grads=False)
                 else:

@@ -33,7 +33,7 @@ class _RunnerDispatch(RunnerMeta):
     `ft.enabled` the replica-group layer (`perdure.ft.runner.FaultTolerant`) sits between them.
     """
 
-    _combined: dict[tuple[type, type], type] = {}
+    _combined: dict[tuple[type, ...], type] = {}
 
     def __call__(cls, config: Any, *args: Any, **kwargs: Any) -> Any:
         config.check()

@@ -39,7 +39,7 @@ class SaveSchedule:
         default: int,
     ) -> None:
         self.auto = interval == AUTO
-        self.every = default if interval in (None, AUTO) else int(interval)
+        self.every = default if interval is None or interval == AUTO else int(interval)
         self.mtbf_s = mtbf_s
         self.state = state
         self.clock = clock

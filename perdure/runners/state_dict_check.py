@@ -77,7 +77,8 @@ def _fingerprint(key: str, value: Any) -> Any:
         tensor = value.to_local() if isinstance(value, DTensor) else value
         local = tensor.detach().cpu().contiguous()
         data = local.reshape(-1).view(torch.uint8).numpy()
-        return (tensor.dtype, tuple(tensor.shape), hashlib.blake2b(data, digest_size=32).digest())
+        digest = hashlib.blake2b(data, digest_size=32).digest()  # type: ignore[arg-type]  # numpy's stubs: a buffer
+        return (tensor.dtype, tuple(tensor.shape), digest)
     try:
         torch.save(value, io.BytesIO())
     except Exception as error:

@@ -68,9 +68,9 @@ class StragglerWatch:
             ended.record()
             self._events.append((began, ended))
         else:
-            began = time.perf_counter()
+            started = time.perf_counter()
             yield
-            self._compute += time.perf_counter() - began
+            self._compute += time.perf_counter() - started
 
     def _own_seconds(self) -> float:
         """This rank's forward seconds since the last log line (waiting for the GPU's last one to finish)."""

@@ -67,10 +67,10 @@ class RunTelemetry:
         self._record_attempt(attempt, resumed_from, details or {})
         self.loggers.open(self.run_dir.path, resumed_step=self.state.global_step, state=self.state, config=self.config)
         self.heartbeat = Heartbeat(self.run_dir.path)
-        self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)
+        self._attempt_sidecar().record(step=self.state.global_step, epoch=self.state.epoch)
         self.goodput.resumed_at(self.state.global_step)
         self._record_goodput()
-        self.sidecar.write()
+        self._attempt_sidecar().write()
 
     def record_failed_setup(
         self, *, attempt: str, reason: str, details: Mapping[str, Any] | None = None, source: Any = None
@@ -84,8 +84,8 @@ class RunTelemetry:
         self._record_attempt(attempt, str(source.path) if source is not None else None, details or {}, step)
         self.goodput.resumed_at(step)
         self._record_goodput()
-        self.sidecar.finish_attempt("failed", reason)
-        self.sidecar.write()
+        self._attempt_sidecar().finish_attempt("failed", reason)
+        self._attempt_sidecar().write()
         self.active = False
 
     def _sidecar_of_this_run(self) -> Sidecar:
@@ -126,6 +126,11 @@ class RunTelemetry:
         )
         if entry.get("steps_lost"):
             logger.info("the interruption cost %d steps (trained, not checkpointed)", entry["steps_lost"])
+
+    def _attempt_sidecar(self) -> Sidecar:
+        """The sidecar the attempt's record made (`_record_attempt`), for what is written after it."""
+        assert self.sidecar is not None  # `_record_attempt` made it
+        return self.sidecar
 
     def _new_sidecar(self, **identity: Any) -> Sidecar:
         """The run's sidecar, loading the existing one (a TorchFT replica group's shares it with the other groups)."""
@@ -293,18 +298,18 @@ class RunTelemetry:
 
     def _record_goodput(self) -> None:
         """The goodput clock's record, taken now, into the attempt's sidecar entry."""
-        self.sidecar.record_goodput(self.goodput.record(), utc_stamp(self.goodput.process_started))
+        self._attempt_sidecar().record_goodput(self.goodput.record(), utc_stamp(self.goodput.process_started))
 
     def _write_sidecar(self, durable: bool = True) -> None:
         """Replace sidecar.json; a failure to (a full disk) is a warning, once: the run's record is a summary, and
         losing it must never stop the training it describes."""
         self._record_goodput()
         try:
-            self.sidecar.write(durable=durable)
+            self._attempt_sidecar().write(durable=durable)
         except OSError as error:
             if not self._sidecar_failed:
                 cause = f"[Errno {error.errno}] {error.strerror}" if error.strerror else error  # the path is said once
-                logger.warning("could not write %s (%s); training goes on", self.sidecar.path, cause)
+                logger.warning("could not write %s (%s); training goes on", self._attempt_sidecar().path, cause)
             self._sidecar_failed = True
         else:
             self._sidecar_failed = False

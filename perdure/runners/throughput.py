@@ -136,6 +136,6 @@ def model_device(module: torch.nn.Module) -> torch.device | None:
     """The device of a module's first parameter or buffer (what memory is measured on), or None."""
     for tensor in module.parameters():
         return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for buffer in module.buffers():
+        return buffer.device
     return None

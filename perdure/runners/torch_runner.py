@@ -173,17 +173,18 @@ class TorchRunner(BaseRunner):
         if self._found_inf is None:
             self._found_inf = torch.zeros(1, device=grads[0].device)
             self._unit_scale = torch.ones(1, device=grads[0].device)
-        found = self._found_inf
+        found, unit = self._found_inf, self._unit_scale
+        assert unit is not None  # made with `_found_inf`
         device = found.device
         if all(grad.device == device for grad in grads):
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self._unit_scale)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, unit)
         else:  # gradients on several devices (a model split by hand): one pass per device
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for grad in grads:
                 by_device.setdefault(grad.device, []).append(grad)
             for other, group in by_device.items():
                 flag = torch.zeros(1, device=other)
-                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, self._unit_scale.to(other))
+                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, unit.to(other))
                 found.add_(flag.to(device))
         if found.item():
             found.zero_()
