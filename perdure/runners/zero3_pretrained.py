@@ -23,6 +23,7 @@ be loaded into partitions: refused, naming the key.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,25 @@ from perdure.errors import PerdureError
 from perdure.runners.compile import strip_compile_prefix, uncompiled
 from perdure.runners.pretrained_shards import PretrainedPlan
 
+if TYPE_CHECKING:
 
-def is_partitioned(tensor: torch.Tensor) -> bool:
+    class ZeroPartition(torch.Tensor):
+        """A ZeRO-3 parameter's partition on this rank (flat, padded to a multiple of the ranks)."""
+
+        final_location: Any  # where DeepSpeed keeps it: an OffloadDeviceEnum, or None
+
+    class ZeroParameter(nn.Parameter):
+        """A parameter ZeRO-3 partitioned, with the attributes DeepSpeed gives it (for a type checker: deepspeed
+        ships no types)."""
+
+        ds_shape: torch.Size  # the whole tensor's shape (its own is empty)
+        ds_numel: int  # the whole tensor's elements
+        ds_tensor: ZeroPartition  # this rank's partition
+        ds_secondary_tensor: torch.Tensor | None  # a secondary partition (zero_hpz_partition_size)
+        ds_process_group: Any  # the ranks the parameter is partitioned over
+
+
+def is_partitioned(tensor: torch.Tensor) -> TypeGuard[ZeroParameter]:
     """Whether `tensor` is a ZeRO-3 parameter (built under `deepspeed.zero.Init`, or partitioned by the engine)."""
     from deepspeed.runtime.zero.partition_parameters import is_zero_param
 
@@ -71,7 +89,7 @@ def load_partitions(module: nn.Module, plan: PretrainedPlan) -> None:
             value.copy_(plan.read(key, None))
 
 
-def _load_partition(key: str, parameter: torch.Tensor, plan: PretrainedPlan) -> None:
+def _load_partition(key: str, parameter: ZeroParameter, plan: PretrainedPlan) -> None:
     """Rank r's chunk [r * n, r * n + n) of the flattened tensor `key` into `parameter.ds_tensor` (n elements)."""
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
