@@ -239,3 +239,35 @@ def run_ranks(
             raise
         results.append(subprocess.CompletedProcess(process.args, process.returncode, output, ""))
     return results
+
+
+# ---- peak resident memory, measured in the launched programs (issue 38) ----------------------------------------------
+# A program measures how far its resident memory rose (`reset_peak` at the start of what it measures, then
+# `write_rise`, into the file a knob names, "{rank}" replaced); the test reads each rank's (`read_rises`). Memory, not
+# time: the figures hold on a loaded machine. A process forked from the test zygote starts with the zygote's pages and
+# peak, hence the reset.
+
+
+def memory(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (peak resident) of this process, in bytes (/proc/self/status)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(field)
+
+
+def reset_peak() -> int:
+    """Reset this process's peak resident memory (VmHWM) to what it holds now, and return that: the start a rise is
+    measured from."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return memory("VmRSS")
+
+
+def write_rise(template: str | os.PathLike[str], rank: int, start: int) -> None:
+    """Write this process's peak resident memory over `start` (bytes) to `template` with "{rank}" replaced."""
+    Path(str(template).replace("{rank}", str(rank))).write_text(str(memory("VmHWM") - start))
+
+
+def read_rises(template: Path, ranks: int) -> list[int]:
+    """What `write_rise` wrote for each of `ranks` ranks to `template` ("{rank}" replaced): bytes."""
+    return [int(Path(str(template).replace("{rank}", str(rank))).read_text()) for rank in range(ranks)]

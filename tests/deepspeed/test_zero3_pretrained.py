@@ -19,7 +19,7 @@ import torch
 
 from perdure.checkpoints.weights_read import read_weights
 from tests.deepspeed.conftest import TIMEOUT
-from tests.runs import assert_all_ok, assert_same_weights, built_once, run_dir, run_ranks
+from tests.runs import assert_all_ok, assert_same_weights, built_once, read_rises, run_dir, run_ranks
 
 ARGS = ("--steps", "1", "--dataset_size", "48", "--dataloader.batch_size", "4", "--width", "3001")
 ARGS += ("--dist.timeout", "60")
@@ -58,7 +58,7 @@ def zero3(exported, tmp_path_factory):
                         SETUP_ONLY="1", INITIAL_WEIGHTS=path / "initial.pt", PEAK_RSS=path / "peak-{rank}",
                         timeout=TIMEOUT, **ENV)  # fmt: skip
     assert_all_ok(results)
-    peaks = [int((path / f"peak-{rank}").read_text()) for rank in range(2)]
+    peaks = read_rises(path / "peak-{rank}", 2)
     return torch.load(path / "initial.pt", weights_only=True), peaks, results
 
 
@@ -84,7 +84,7 @@ def test_a_rank_holds_its_partitions_not_the_file(zero3, tmp_path):
     _, loaded, _ = zero3
     assert_all_ok(run_ranks(2, "zero_init_mlp.py", tmp_path, *ARGS, *ZERO3, SETUP_ONLY="1",
                             PEAK_RSS=tmp_path / "peak-{rank}", timeout=TIMEOUT, **ENV))  # fmt: skip
-    fresh = [int((tmp_path / f"peak-{rank}").read_text()) for rank in range(2)]
+    fresh = read_rises(tmp_path / "peak-{rank}", 2)
     for rank in range(2):
         rise = loaded[rank] - fresh[rank]
         assert rise < MODEL_BYTES / 4, f"rank {rank}: {loaded} with, {fresh} without; model {MODEL_BYTES}"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.runs import assert_all_ok, run_dir, run_ranks
+from tests.runs import assert_all_ok, read_rises, run_dir, run_ranks
 
 DIM, HIDDEN, LAYERS, VOCAB = 256, 1024, 8, 512
 MODEL = ("--model.dim", str(DIM), "--model.heads", "4", "--model.hidden", str(HIDDEN), "--model.layers", str(LAYERS))
@@ -26,7 +26,7 @@ def test_no_rank_holds_the_model_while_it_exports(tmp_path):
     assert_all_ok(run_ranks(2, "meta_llama.py", tmp_path / "runs", *MODEL, "--steps", "1", "--ema.enabled", "true",
                             "--ckpt.export_format", "pth,safetensors", EXPORT_RSS=tmp_path / "rss-{rank}",
                             FUSED_STATE="1", MALLOC_MMAP_THRESHOLD_="131072"))  # fmt: skip
-    rises = [int((tmp_path / f"rss-{rank}").read_text()) for rank in range(2)]
+    rises = read_rises(tmp_path / "rss-{rank}", 2)
     # measured: 3.1 and 2.2 MB; gathering the whole model and EMA (before): 71 MB on rank 0, 35 MB on rank 1
     assert max(rises) < MODEL_BYTES / 4, f"rises {rises}; model {MODEL_BYTES}"
     directory = run_dir(tmp_path / "runs")

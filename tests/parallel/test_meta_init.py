@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from perdure.loggers.metrics_csv import read_metrics_csv
-from tests.runs import assert_all_ok, assert_same_weights, final_weights, run_dir, run_ranks
+from tests.runs import assert_all_ok, assert_same_weights, final_weights, read_rises, run_dir, run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -84,7 +84,7 @@ def test_meta_construction_holds_less_than_the_eager_one_by_half_the_model(tmp_p
     for build in ("eager", "meta"):
         assert_all_ok(run_ranks(2, "meta_llama.py", tmp_path / build, *COMMON, *BIG, BUILD=build, SETUP_ONLY="1",
                                 PEAK_RSS=tmp_path / f"{build}-{{rank}}"))  # fmt: skip
-        peaks[build] = [int((tmp_path / f"{build}-{rank}").read_text()) for rank in range(2)]
+        peaks[build] = read_rises(tmp_path / f"{build}-{{rank}}", 2)
     for rank in range(2):
         saved = peaks["eager"][rank] - peaks["meta"][rank]
         assert saved > BIG_BYTES / 2, f"rank {rank}: {peaks}, the model is {BIG_BYTES} bytes"

@@ -27,7 +27,7 @@ import torch
 
 from perdure.checkpoints.commit import MANIFEST_NAME, hash_file, read_manifest
 from perdure.checkpoints.weights_read import read_weights
-from tests.runs import assert_all_ok, assert_same_weights, built_once, run_dir, run_ranks
+from tests.runs import assert_all_ok, assert_same_weights, built_once, read_rises, run_dir, run_ranks
 
 COMMON = ("--dist.timeout", "60")
 ENV = {"FUSED_STATE": "1"}  # the fused `wqkv` sharded as it is (the model's hooks would gather it whole: see below)
@@ -67,7 +67,7 @@ def fsdp2(exported, tmp_path_factory):
     results = run_ranks(2, "meta_llama.py", path / "runs", *COMMON, *MODEL, "--pretrained", str(source), **ENV,
                         SETUP_ONLY="1", INITIAL_WEIGHTS=path / "initial.pt", PEAK_RSS=path / "peak-{rank}")  # fmt: skip
     assert_all_ok(results)
-    peaks = [int((path / f"peak-{rank}").read_text()) for rank in range(2)]
+    peaks = read_rises(path / "peak-{rank}", 2)
     return initial_weights(path / "initial.pt"), peaks, results[0].stdout
 
 
@@ -94,7 +94,7 @@ def test_a_rank_holds_its_slices_not_the_file(fsdp2, tmp_path):
     _, loaded, _ = fsdp2
     assert_all_ok(run_ranks(2, "meta_llama.py", tmp_path, *COMMON, *MODEL, SETUP_ONLY="1",
                             PEAK_RSS=tmp_path / "peak-{rank}", **ENV))  # fmt: skip
-    initialised = [int((tmp_path / f"peak-{rank}").read_text()) for rank in range(2)]
+    initialised = read_rises(tmp_path / "peak-{rank}", 2)
     for rank in range(2):
         rise = loaded[rank] - initialised[rank]
         assert rise < MODEL_BYTES / 4, f"rank {rank}: {loaded} with, {initialised} without; model {MODEL_BYTES}"

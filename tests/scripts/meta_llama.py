@@ -29,8 +29,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import llama  # noqa: E402  (examples/llama.py)
+
+from tests.runs import reset_peak, write_rise  # noqa: E402
 
 
 class Config(llama.Config):
@@ -103,16 +106,14 @@ class TestRunner(llama.LlamaRunner):
     def distribute_model(self):
         super().distribute_model()
         if os.environ.get("PEAK_RSS"):  # the model is built, sharded and (on meta) materialised now
-            path = Path(os.environ["PEAK_RSS"].replace("{rank}", str(self.rank)))
-            path.write_text(str(memory("VmHWM") - START_RSS))
+            write_rise(os.environ["PEAK_RSS"], self.rank, START_RSS)
 
     def write_final_exports(self):
         if not os.environ.get("EXPORT_RSS"):
             return super().write_final_exports()
-        Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
-        start = memory("VmRSS")
+        start = reset_peak()  # the peak from here on
         super().write_final_exports()
-        Path(os.environ["EXPORT_RSS"].replace("{rank}", str(self.rank))).write_text(str(memory("VmHWM") - start))
+        write_rise(os.environ["EXPORT_RSS"], self.rank, start)
 
     def forward_backward(self, window):
         if self.state.global_step == int(os.environ.get("KILL_AT_STEP", "-1")):
@@ -126,19 +127,9 @@ def full_weights(model):
     return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in tensors.items()}
 
 
-def memory(field):
-    """VmRSS (resident now) or VmHWM (peak resident) of this process, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise LookupError(field)
-
-
 if __name__ == "__main__":
     if os.environ.get("PEAK_RSS"):
-        # The peak from here on: a process forked from the test zygote starts with the zygote's pages and peak.
-        Path("/proc/self/clear_refs").write_text("5")
-        START_RSS = memory("VmRSS")
+        START_RSS = reset_peak()  # the peak from here on (tests/runs.py)
     runner = TestRunner(Config().parse())
     if os.environ.get("INITIAL_WEIGHTS"):
         weights = full_weights(runner.model)
