@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from perdure.atomic import atomic_write, atomic_write_by_name
 from perdure.checkpoints.export_stream import Planned, stream_order, write_streamed
+from perdure.checkpoints.state_pieces import made_by_hooks, own_tensors, state_pieces
 from perdure.checkpoints.weights_read import read_weights
 from perdure.errors import CheckpointError, ConfigError, PerdureError
 from perdure.runners.compile import strip_compile_prefix
@@ -21,6 +23,7 @@ __all__ = [
     "cast_weights",
     "StreamSource",
     "export_streamed",
+    "module_source",
     "export_weights",
     "read_weights",
     "save_safetensors",
@@ -93,6 +96,45 @@ class StreamSource:
                 )
             shapes[name] = (value.dtype, tuple(value.shape))
         return cls(shapes, lambda name: whole(state[name]))
+
+
+def module_source(parts: Sequence[nn.Module], whole: Callable[[Any], torch.Tensor]) -> StreamSource:
+    """The state dict of `parts` (each through its hooks, `module_state_dict`'s names) as a `StreamSource` that holds
+    what hooks make one hooked module at a time (`checkpoints/state_pieces.py`): the pieces holding the model's own
+    tensors are kept as references; a piece a hook made tensors in (a fused weight split whole) is made once to learn
+    its names and shapes, dropped, and made again when the stream reaches it (and again should the stream come back
+    to it: safetensors' order is by dtype first), its entries dropped as they are taken. `whole(value)` as in
+    `StreamSource.of_state`. Every rank builds it and takes the same names in the same order (hooks may gather)."""
+    pieces = [piece for part in parts for piece in state_pieces(part)]
+    owned = set().union(*(own_tensors(part) for part in parts))
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    where: dict[str, int] = {}
+    kept: dict[str, torch.Tensor] = {}
+    for index, piece in enumerate(pieces):
+        state = piece.state(keep_vars=True)
+        made = made_by_hooks(piece, state, owned)
+        for name, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"weight {name!r} is a {type(value).__name__}, not a tensor; an export holds tensors"
+                )
+            shapes[name], where[name] = (value.dtype, tuple(value.shape)), index
+            if not made:
+                kept[name] = value
+        del state
+    held: dict[str, Any] = {}
+    current = [-1]
+
+    def take(name: str) -> torch.Tensor:
+        if name in kept:
+            return whole(kept[name].detach())
+        if current[0] != where[name] or name not in held:
+            held.clear()  # the previous hooked piece's entries go before the next piece is made
+            current[0] = where[name]
+            held.update(pieces[where[name]].state())
+        return whole(held.pop(name))
+
+    return StreamSource(shapes, take)
 
 
 def export_streamed(

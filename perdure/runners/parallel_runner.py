@@ -34,7 +34,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
-from perdure.checkpoints.module_state import module_state_dict
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
 from perdure.checkpoints.source import RestoreSource
@@ -46,7 +45,7 @@ from perdure.distributed.process_group import init_process_group, select_backend
 from perdure.distributed.topology import FSDP_CONTEXT_MESH, Topology, device_mesh
 from perdure.errors import ConfigError, PerdureError
 from perdure.runners.ema import ExponentialMovingAverage
-from perdure.runners.export import StreamSource
+from perdure.runners.export import StreamSource, module_source
 from perdure.runners.loss_parallel import local_loss, loss_context
 from perdure.runners.meta_init import check_initialisable, is_meta_model
 from perdure.runners.parallelize import (
@@ -474,24 +473,22 @@ class ParallelRunner(TorchRunner):
         """Write the full weights of the whole model (each part's state dict through its hooks) on rank 0, streamed
         (`stream_exports`): one DTensor gathered at a time (a collective), written and dropped before the next, so
         rank 0 holds one whole tensor, never the whole model; the EMA's shadows the same way. With a pipeline, each
-        tensor is gathered by its stage's ranks and sent to rank 0 by the stage's first rank (`_stage_source`)."""
-        state: dict[str, Any] = {}
-        for part in self.model_parts:
-            state.update(module_state_dict(part))
-        states = {"model": state}
+        tensor is gathered by its stage's ranks and sent to rank 0 by the stage's first rank (`_stage_source`). What
+        state-dict hooks make (a fused weight split whole) is held one hooked module at a time (`module_source`)."""
+        sources = {"model": module_source(self.model_parts, _whole)}
         if self.ema is not None:
-            states["model-ema"] = dict(self.ema.shadow)
+            sources["model-ema"] = StreamSource.of_state(dict(self.ema.shadow), _whole)
         if self.topology.pipeline == 1:
-            return self.stream_exports({name: StreamSource.of_state(value, _whole) for name, value in states.items()})
-        return self.stream_exports({name: self._stage_source(value) for name, value in states.items()})
+            return self.stream_exports(sources)
+        return self.stream_exports({name: self._stage_source(source) for name, source in sources.items()})
 
-    def _stage_source(self, state: dict[str, Any]) -> StreamSource:
-        """With a pipeline: `state` (this rank's stage's) as a `StreamSource` over the whole model's tensors. The
+    def _stage_source(self, source: StreamSource) -> StreamSource:
+        """With a pipeline: `source` (this rank's stage's) as a `StreamSource` over the whole model's tensors. The
         names, dtypes and shapes of every stage come from the rank at position 0 of its data and model axes (every
         rank learns them all: an all-gather of metadata); `whole(name)` is gathered by the ranks of the stage
         holding it (its mesh) and sent by that stage's first rank to rank 0 (point to point, one tensor at a time)."""
         sends = self.topology.stream_leader(self.rank) == self.rank and self.topology.data_rank(self.rank) == 0
-        mine = StreamSource.of_state(state, _whole).shapes if sends else {}
+        mine = source.shapes if sends else {}
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         owners: dict[str, int] = {}
@@ -502,7 +499,7 @@ class ParallelRunner(TorchRunner):
         transport = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
         def whole(name: str) -> torch.Tensor:
-            value = _whole(state[name]) if name in state else None  # the stage's ranks gather it together
+            value = source.whole(name) if name in source.shapes else None  # the stage's ranks gather it together
             owner = owners[name]
             if owner == 0 or self.rank not in (0, owner):
                 return value if value is not None else torch.empty(0)

@@ -13,7 +13,9 @@ Two steps, around the sharding (`ParallelRunner.distribute_model`):
 
 What a rank reads beyond its shards:
 - an entry a state-dict hook makes whole (examples/llama.py splits its fused `wqkv` into whole `wq`, `wk`, `wv`):
-  read whole, and loaded back through the hook, as the model asks;
+  read whole, and loaded back through the hook, as the model asks; one hooked module at a time
+  (`checkpoints/state_pieces.py`: its state dict made, read into and loaded back before the next is made), so a rank
+  never holds every hooked module's whole tensors at once;
 - the adapter: `from_hf` is first called with tensors on the meta device to learn which tensors it passes through
   under another name (one to one: those are read by region). The tensors it computes (fuses, splits, permutes) are
   computed from the whole tensors it needs, on every rank, then sliced; should one of them need a tensor it also
@@ -32,11 +34,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from perdure.checkpoints.hf_adapter import StateDictAdapter
-from perdure.checkpoints.module_state import load_module_state_dict, module_state_dict
+from perdure.checkpoints.state_pieces import made_by_hooks, own_tensors, state_pieces
 from perdure.checkpoints.weights_read import check_weights_fit
 from perdure.checkpoints.weights_slices import Region, WeightSlices, region_of
 from perdure.errors import PerdureError
-from perdure.runners.compile import strip_compile_prefix, uncompiled
 
 
 class PretrainedPlan:
@@ -87,8 +88,12 @@ def plan_pretrained(
     whole)."""
     parts = model if isinstance(model, list) else [model]
     expected: dict[str, Any] = {}
+    owned = set().union(*(own_tensors(part) for part in parts))
     for part in parts:  # the Parameters themselves: tied names hold the same object
-        expected.update(strip_compile_prefix(uncompiled(part).state_dict(keep_vars=True)))
+        for piece in state_pieces(part):  # what hooks make: its dtype and shape only, one hooked module at a time
+            for key, value in piece.state(keep_vars=True).items():
+                made = isinstance(value, torch.Tensor) and id(value) not in owned
+                expected[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if made else value
     sources, made = _model_layout(slices, adapter)
     given = {key: tuple(slices.shapes[name]) for key, name in sources.items()}
     given.update({key: tuple(tensor.shape) for key, tensor in made.items()})
@@ -149,34 +154,53 @@ def _tied_source(key: str, made: dict[str, torch.Tensor]) -> str:
 
 @torch.no_grad()
 def load_shards(parts: list[nn.Module], plan: PretrainedPlan) -> None:
-    """Copy each rank's regions of the weights into its shards of `parts` (sharded, materialised), then load each
-    part's state dict back through its hooks (a collective where a hook gathers or distributes: every rank calls
-    it)."""
-    helds = [module_state_dict(part) for part in parts]
-    requests = []
-    for held in helds:
-        for key, value in held.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            region = None
-            target = value
-            if isinstance(value, DTensor):
-                target = value.to_local()
-                local_shape, offset = compute_local_shape_and_global_offset(
-                    value.shape, value.device_mesh, value.placements
-                )
-                if tuple(local_shape) != tuple(target.shape):
-                    raise PerdureError(
-                        f"{key}: this rank's shard is {tuple(target.shape)}, but its placements "
-                        f"{value.placements} over the device mesh give {tuple(local_shape)}; a model whose shards "
-                        "are not the regions their placements say cannot load --pretrained weights shard by shard"
-                    )
-                region = region_of(value.shape, tuple(offset), tuple(local_shape))
-            if target.numel():
-                requests.append((key, region, target))
+    """Copy each rank's regions of the weights into its shards of `parts` (sharded, materialised): the model's own
+    tensors in place, all in one read; then, one hooked module at a time, what its state-dict hooks make (a fused
+    weight split whole) read and loaded back through its hooks (`StatePiece.load`; a collective where a hook gathers
+    or distributes: every rank calls it)."""
+    owned = set().union(*(own_tensors(part) for part in parts))
+    made = []
+    requests: list[tuple[str, Region | None, torch.Tensor]] = []
+    for part in parts:
+        for piece in state_pieces(part):
+            state = piece.state(keep_vars=True)
+            if made_by_hooks(piece, state, owned):
+                made.append(piece)  # made again below, read into and loaded back: one at a time
+            else:
+                requests.extend(_requests(state))
+            del state
     plan.read_into(requests)
-    for part, held in zip(parts, helds, strict=True):
-        load_module_state_dict(part, held)
+    for piece in made:
+        state = piece.state()
+        plan.read_into(_requests(state))
+        piece.load(state)
+        del state
+
+
+def _requests(state: dict[str, Any]) -> list[tuple[str, Region | None, torch.Tensor]]:
+    """(key, region, target) for each tensor of `state`: a DTensor's local shard and the region its placements say it
+    holds, a plain tensor whole."""
+    requests = []
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        region = None
+        target = value
+        if isinstance(value, DTensor):
+            target = value.to_local()
+            local_shape, offset = compute_local_shape_and_global_offset(
+                value.shape, value.device_mesh, value.placements
+            )
+            if tuple(local_shape) != tuple(target.shape):
+                raise PerdureError(
+                    f"{key}: this rank's shard is {tuple(target.shape)}, but its placements "
+                    f"{value.placements} over the device mesh give {tuple(local_shape)}; a model whose shards "
+                    "are not the regions their placements say cannot load --pretrained weights shard by shard"
+                )
+            region = region_of(value.shape, tuple(offset), tuple(local_shape))
+        if target.numel():
+            requests.append((key, region, target))
+    return requests
 
 
 def describe_reads(plan: PretrainedPlan, path: Path) -> str:

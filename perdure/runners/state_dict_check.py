@@ -6,7 +6,9 @@ hold, produce keys its load hooks do not take back, or take them back into other
 another order) would fail at its first checkpoint or, worse, at its first resume. The runner takes the state dict,
 loads it back and takes it again once, when the model is in place; a difference stops the run at start-up with the
 module and the reason. It holds no copy of the state: each tensor is kept as its dtype, shape and a digest of its bytes
-(taken one tensor at a time, on the host), and the state dict itself is what is loaded back.
+(taken one tensor at a time, on the host), and the state dict itself is what is loaded back. The round trip goes piece
+by piece (`perdure/checkpoints/state_pieces.py`), so what state-dict hooks make (a fused weight split whole, gathered)
+is held for one hooked module at a time, never for the whole model.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from perdure.checkpoints.module_state import load_module_state_dict, module_state_dict
+from perdure.checkpoints.state_pieces import StatePiece, state_pieces
 from perdure.distributed.collectives import all_ranks
 from perdure.errors import CheckpointStateError
 from perdure.runners.pipeline import ModelParts
@@ -36,27 +38,9 @@ def check_state_dict_round_trip(model: nn.Module) -> None:
 
 
 def _check_part(model: nn.Module) -> None:
-    try:
-        state = module_state_dict(model)
-        before = {key: _fingerprint(key, value) for key, value in state.items()}
-    except CheckpointStateError:
-        raise
-    except Exception as error:
-        where = _failing_module(model)
-        raise CheckpointStateError(
-            f"the model's state cannot be saved: state_dict() of {where} raised {type(error).__name__}: {error}; {FIX}"
-        ) from error
-    try:
-        load_module_state_dict(model, state)  # its own tensors: a load that writes them back in place changes nothing
-    except Exception as error:
-        raise CheckpointStateError(
-            f"the model's state dict does not load back into it: load_state_dict() of {type(model).__name__} raised "
-            f"{type(error).__name__}: {error}; {FIX}"
-        ) from error
-    del state
-    after = module_state_dict(model)
-    changed = [key for key, value in before.items() if key not in after or value != _fingerprint(key, after[key])]
-    changed += [key for key in after if key not in before]
+    changed: list[str] = []
+    for piece in state_pieces(model):  # what hooks make, one hooked module at a time (state_pieces.py)
+        changed += _check_piece(model, piece)
     if all_ranks(not changed):
         return
     if not changed:
@@ -67,6 +51,50 @@ def _check_part(model: nn.Module) -> None:
         f"back ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}), in {owner}; "
         f"a checkpoint of it would resume another model: {FIX}"
     )
+
+
+def _check_piece(model: nn.Module, piece: StatePiece) -> list[str]:
+    """The round trip of one piece of `model`'s state dict: its entries taken, loaded back (a hooked module through
+    its own `load_state_dict`, strictly; another module's own tensors through its `_load_from_state_dict`, its load
+    pre-hooks included, as `load_state_dict` calls it) and taken again; the keys whose entries differ."""
+    try:
+        state = piece.state()
+        before = {key: _fingerprint(key, value) for key, value in state.items()}
+    except CheckpointStateError:
+        raise
+    except Exception as error:
+        where = _failing_module(model)
+        raise CheckpointStateError(
+            f"the model's state cannot be saved: state_dict() of {where} raised {type(error).__name__}: {error}; {FIX}"
+        ) from error
+    try:  # its own tensors: a load that writes them back in place changes nothing
+        if piece.hooked:
+            piece.load(state)
+        else:
+            _load_own(piece, state)
+    except Exception as error:
+        raise CheckpointStateError(
+            f"the model's state dict does not load back into it: load_state_dict() of {type(model).__name__} raised "
+            f"{type(error).__name__}: {error}; {FIX}"
+        ) from error
+    del state
+    after = piece.state()
+    changed = [key for key, value in before.items() if key not in after or value != _fingerprint(key, after[key])]
+    return changed + [key for key in after if key not in before]
+
+
+def _load_own(piece: StatePiece, state: dict[str, Any]) -> None:
+    """Load a module's own entries (a piece that is no hooked module) back into it, strictly, without its children."""
+    module = piece.module
+    raw = {piece.prefix + piece.names[key]: value for key, value in state.items()}
+    missing: list[str] = []
+    unexpected: list[str] = []
+    errors: list[str] = []
+    metadata = {"version": module._version}
+    module._load_from_state_dict(raw, piece.prefix, metadata, True, missing, unexpected, errors)
+    if missing or unexpected or errors:
+        problems = [*errors, *(f"missing {key}" for key in missing), *(f"unexpected {key}" for key in unexpected)]
+        raise RuntimeError("; ".join(problems))
 
 
 def _fingerprint(key: str, value: Any) -> Any:

@@ -11,6 +11,8 @@ Environment knobs (tests only):
   INITIAL_WEIGHTS  rank 0 writes the whole model's weights and buffers there once the runner is built (before any step)
   PEAK_RSS         each rank writes how far its resident memory rose above its start (bytes: the peak from the start
                    of the program to the model built, sharded and materialised; /proc/self/status), "{rank}" replaced
+  BUILT_RSS        the same once the runner is built (the state-dict round-trip check, the loaders and the restore
+                   included)
   EXPORT_RSS       each rank writes how far its resident memory rose during the final export (bytes: the peak from the
                    export's start, when the peak is reset, over the resident memory then), "{rank}" replaced
   SETUP_ONLY       build the runner, write the above and stop (no training)
@@ -128,9 +130,11 @@ def full_weights(model):
 
 
 if __name__ == "__main__":
-    if os.environ.get("PEAK_RSS"):
+    if os.environ.get("PEAK_RSS") or os.environ.get("BUILT_RSS"):
         START_RSS = reset_peak()  # the peak from here on (tests/runs.py)
     runner = TestRunner(Config().parse())
+    if os.environ.get("BUILT_RSS"):
+        write_rise(os.environ["BUILT_RSS"], runner.rank, START_RSS)
     if os.environ.get("INITIAL_WEIGHTS"):
         weights = full_weights(runner.model)
         if runner.rank == 0:
