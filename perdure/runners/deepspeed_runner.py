@@ -53,6 +53,7 @@ from perdure.runners.ema import ExponentialMovingAverage, average_into
 from perdure.runners.export import StreamSource, export_streamed
 from perdure.runners.pretrained_shards import describe_reads, load_shards, plan_pretrained
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
+from perdure.runners.zero3_export import zero3_source
 from perdure.runners.zero3_pretrained import is_partitioned, load_partitions, whole_shape
 
 
@@ -208,96 +209,31 @@ class DeepSpeedRunner(TorchRunner):
         return states
 
     def export_model(self) -> Path | None:
-        """`model.pth` (and the other `ckpt.export_format`s): the fp32 weights of the checkpoint just committed,
-        gathered from every rank's partition under the names the module's `state_dict()` gives them (its hooks
-        applied), written by the main process; EMA as on the torch stack. Under ZeRO-3 a collective: the engine's fp32
-        master copy is gathered one parameter at a time (`_gathered_fp32_weights`), not read from every rank's optimizer
-        files; under ZeRO 1-2 DeepSpeed's zero-to-fp32 routine reads the checkpoint just committed (its files through
-        the allow-list).
-
-        Under ZeRO-3, when the module's state dict holds its own parameters and buffers (no hook renamed into a new
-        tensor or fused them: `_streamed_fp32_weights`), the export streams: each parameter's master copy (and each
-        EMA shadow) is gathered and written into every format before the next, so rank 0 holds one whole parameter
-        at a time; with such hooks, the whole weights are gathered first (the hooks need them all)."""
+        """`model.pth` (and the other `ckpt.export_format`s): the fp32 weights of the checkpoint just committed under
+        the names the module's `state_dict()` gives them (its hooks applied), written by the main process; EMA as on
+        the torch stack. Under ZeRO-3 a collective that streams (`zero3_export.py`): each parameter's master copy (and
+        each EMA shadow) is gathered and written into every format before the next, so rank 0 holds one whole
+        parameter at a time, and what state-dict hooks make one hooked module at a time. Under ZeRO 1-2 DeepSpeed's
+        zero-to-fp32 routine reads the checkpoint just committed (its files through the allow-list)."""
         stage = self.engine.zero_optimization_stage()
-        source = self._streamed_fp32_weights() if stage == 3 else None
-        if source is not None and (self.ema is None or isinstance(self.ema, _PartitionedEMA)):
-            sources = {"model": source}
+        if stage == 3:
+            sources = {"model": zero3_source(self.engine.module)}
             if self.ema is not None:
+                assert isinstance(self.ema, _PartitionedEMA)  # `_build_engine` makes it so under ZeRO-3
                 sources["model-ema"] = self.ema.stream_source()
             return self.stream_exports(sources)
-        weights = self._gathered_fp32_weights() if stage == 3 else None
         written = None
         if self.is_main_process:
-            if weights is None:
-                weights = read_deepspeed_weights(self.run_dir.checkpoints / self._position_name())
+            weights = read_deepspeed_weights(self.run_dir.checkpoints / self._position_name())
             if stage > 0:  # keyed by parameter name: into the module's state-dict layout
                 weights = as_module_state_dict(self.engine.module, weights)
             written = self.write_exports(weights, None)
-        del weights  # written before the EMA is gathered: one whole copy at a time
+            del weights  # written before the EMA is gathered: one whole copy at a time
         if self.ema is not None:
-            ema = self.ema.weights()  # under ZeRO-3 gathered from the partitions: every rank takes part
+            ema = self.ema.weights()
             if self.is_main_process:
                 self.write_exports(None, ema)
         return written
-
-    def _streamed_fp32_weights(self) -> StreamSource | None:
-        """ZeRO-3: the module's state dict as a `StreamSource` whose `whole(name)` gathers that one parameter's fp32
-        master copy (a collective, as in `_gathered_fp32_weights`; a frozen parameter from the module's partitions,
-        in its own dtype) or gives the buffer; None when an entry of `state_dict()` is no parameter or buffer of the
-        module (a hook made or fused it: it needs the whole weights)."""
-        import deepspeed
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        module = uncompiled(self.engine.module)
-        parameters = {id(tensor): tensor for tensor in module.parameters()}
-        buffers = {id(tensor) for tensor in module.buffers()}
-        entries = strip_compile_prefix(module.state_dict(keep_vars=True))
-        shapes = {}
-        for name, value in entries.items():
-            parameter = parameters.get(id(value))
-            if parameter is not None:
-                dtype = torch.float32 if parameter.requires_grad else parameter.dtype
-                shapes[name] = (dtype, tuple(parameter.ds_shape if is_partitioned(parameter) else parameter.shape))
-            elif isinstance(value, torch.Tensor) and id(value) in buffers:
-                shapes[name] = (value.dtype, tuple(value.shape))
-            else:
-                return None
-
-        def whole(name: str) -> torch.Tensor:
-            value = entries[name]
-            if id(value) not in parameters:
-                return value.detach()
-            full = safe_get_full_fp32_param(value) if value.requires_grad else None
-            if full is None:  # a frozen parameter has no master copy: its own partitions, gathered
-                with deepspeed.zero.GatheredParameters([value]):
-                    full = value.detach().clone()
-            return full
-
-        return StreamSource(shapes, whole)
-
-    def _gathered_fp32_weights(self) -> dict[str, torch.Tensor] | None:
-        """ZeRO-3, on every rank (collective): the fp32 master weights of the engine's module keyed by parameter name,
-        each gathered alone from the ranks' partitions (`deepspeed.utils.safe_get_full_fp32_param`), and its buffers
-        (whole on every rank); kept on the main process only (None elsewhere). A frozen parameter, which has no master
-        copy, is gathered from the module's own partitions (as `runners/hf_export.py` does)."""
-        import deepspeed
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        module = uncompiled(self.engine.module)
-        weights: dict[str, torch.Tensor] = {}
-        for name, parameter in module.named_parameters():
-            full = safe_get_full_fp32_param(parameter) if parameter.requires_grad else None
-            if full is None:  # a frozen parameter has no master copy: its own partitions, gathered
-                with deepspeed.zero.GatheredParameters([parameter]):
-                    full = parameter.detach().clone() if self.is_main_process else None
-            if full is not None and self.is_main_process:
-                weights[name] = full.detach().cpu()
-            del full
-        if not self.is_main_process:
-            return None
-        weights.update((name, buffer.detach()) for name, buffer in module.named_buffers())
-        return weights
 
 
 class _PartitionedEMA(ExponentialMovingAverage, StreamedState):

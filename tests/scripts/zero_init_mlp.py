@@ -14,6 +14,9 @@ Environment knobs (tests only):
   EXPORT_RSS, CHECKPOINT_RSS  each rank writes how far its resident memory rose during the final export / during its
                 last checkpoint save (bytes: the peak from the phase's start, when the peak is reset, over the resident
                 memory then), "{rank}" replaced
+  SPLIT_STATE   each hidden Linear(width, width) saves its weight as two new tensors, `weight_top` and `weight_bottom`
+                (its rows split in half, cloned), in a state-dict post-hook, and a load pre-hook joins them back: what
+                a hook makes, as a fused QKV saved split
   --depth N     N more Linear(width, width) + ReLU after the first ReLU (resumable.py's key; default 0: none)
 
 Each rank prints how many parameter values it holds once the model is built.
@@ -30,10 +33,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from resumable import Config, Synthetic  # noqa: E402  (tests/scripts/resumable.py)
 
 from perdure import Runner  # noqa: E402
+from tests.runs import reset_peak, write_rise  # noqa: E402
 
 
 class ZeroInitRunner(Runner):
@@ -47,6 +52,11 @@ class ZeroInitRunner(Runner):
             self.model = nn.Sequential(
                 nn.Linear(16, width), *norm, nn.ReLU(), *hidden, nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2)
             )
+        if os.environ.get("SPLIT_STATE"):
+            for layer in hidden:
+                if isinstance(layer, nn.Linear):
+                    layer.register_state_dict_post_hook(split_weight)
+                    layer.register_load_state_dict_pre_hook(join_weight)
         held = sum(parameter.numel() for parameter in self.model.parameters())
         print(f"rank {self.rank} holds {held} parameter values once the model is built", flush=True)
         self.criterion = nn.CrossEntropyLoss()
@@ -66,11 +76,10 @@ class ZeroInitRunner(Runner):
         `saved`, only when it returned a checkpoint: a call that found the step saved already writes nothing)."""
         if not os.environ.get(knob):
             return phase()
-        Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
-        start = memory("VmRSS")
+        start = reset_peak()  # the peak from here on
         result = phase()
         if result is not None or not saved:
-            Path(os.environ[knob].replace("{rank}", str(self.rank))).write_text(str(memory("VmHWM") - start))
+            write_rise(os.environ[knob], self.rank, start)
         return result
 
     def train_step(self, batch):
@@ -85,6 +94,17 @@ class ZeroInitRunner(Runner):
                 record = {"epoch": position[0], "step": position[1], "micro": self._micro, "loss": loss.item().hex()}
                 log.write(json.dumps(record) + "\n")
         return loss
+
+
+def split_weight(module, state_dict, prefix, local_metadata):
+    top, bottom = state_dict.pop(f"{prefix}weight").chunk(2)
+    state_dict[f"{prefix}weight_top"], state_dict[f"{prefix}weight_bottom"] = top.clone(), bottom.clone()
+
+
+def join_weight(module, state_dict, prefix, *args):
+    halves = [f"{prefix}weight_top", f"{prefix}weight_bottom"]
+    if all(key in state_dict for key in halves):
+        state_dict[f"{prefix}weight"] = torch.cat([state_dict.pop(key) for key in halves])
 
 
 def initial_weights(runner):
@@ -105,22 +125,12 @@ def initial_weights(runner):
     return {"weights": weights, "master": master}
 
 
-def memory(field):
-    """VmRSS (resident now) or VmHWM (peak resident) of this process, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise LookupError(field)
-
-
 if __name__ == "__main__":
     if os.environ.get("PEAK_RSS"):
-        # The peak from here on: a process forked from the test zygote starts with the zygote's pages and peak.
-        Path("/proc/self/clear_refs").write_text("5")
-        START_RSS = memory("VmRSS")
+        START_RSS = reset_peak()  # the peak from here on (tests/runs.py)
     runner = ZeroInitRunner(Config().parse())
     if os.environ.get("PEAK_RSS"):
-        Path(os.environ["PEAK_RSS"].replace("{rank}", str(runner.rank))).write_text(str(memory("VmHWM") - START_RSS))
+        write_rise(os.environ["PEAK_RSS"], runner.rank, START_RSS)
     if os.environ.get("INITIAL_WEIGHTS"):
         initial = initial_weights(runner)
         if runner.rank == 0:
