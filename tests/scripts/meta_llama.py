@@ -11,8 +11,10 @@ Environment knobs (tests only):
   INITIAL_WEIGHTS  rank 0 writes the whole model's weights and buffers there once the runner is built (before any step)
   PEAK_RSS         each rank writes how far its resident memory rose above its start (bytes: the peak from the start
                    of the program to the model built, sharded and materialised; /proc/self/status), "{rank}" replaced
-  BUILT_RSS        the same once the runner is built (the state-dict round-trip check, the loaders and the restore
-                   included)
+  LOAD_RSS         each rank writes how far its resident memory rose from its shards materialised to the model's
+                   sharding done (bytes: the peak reset there; with --pretrained, the load into the shards)
+  BUILT_RSS        each rank writes how far its resident memory rose from the model sharded (the peak reset there) to
+                   the runner built: the state-dict round-trip check, the loaders and the restore
   EXPORT_RSS       each rank writes how far its resident memory rose during the final export (bytes: the peak from the
                    export's start, when the peak is reset, over the resident memory then), "{rank}" replaced
   SETUP_ONLY       build the runner, write the above and stop (no training)
@@ -105,8 +107,17 @@ class TestRunner(llama.LlamaRunner):
 
         return LlamaStateDictAdapter(self.config.model.heads)
 
+    def materialise_model(self, parts):
+        super().materialise_model(parts)
+        if os.environ.get("LOAD_RSS"):  # what follows: --pretrained read into the shards
+            self.load_start = reset_peak()
+
     def distribute_model(self):
         super().distribute_model()
+        if os.environ.get("LOAD_RSS"):
+            write_rise(os.environ["LOAD_RSS"], self.rank, self.load_start)
+        if os.environ.get("BUILT_RSS"):  # after PEAK_RSS: the peak from here on
+            self.built_start = reset_peak()
         if os.environ.get("PEAK_RSS"):  # the model is built, sharded and (on meta) materialised now
             write_rise(os.environ["PEAK_RSS"], self.rank, START_RSS)
 
@@ -130,11 +141,11 @@ def full_weights(model):
 
 
 if __name__ == "__main__":
-    if os.environ.get("PEAK_RSS") or os.environ.get("BUILT_RSS"):
+    if os.environ.get("PEAK_RSS"):
         START_RSS = reset_peak()  # the peak from here on (tests/runs.py)
     runner = TestRunner(Config().parse())
     if os.environ.get("BUILT_RSS"):
-        write_rise(os.environ["BUILT_RSS"], runner.rank, START_RSS)
+        write_rise(os.environ["BUILT_RSS"], runner.rank, runner.built_start)
     if os.environ.get("INITIAL_WEIGHTS"):
         weights = full_weights(runner.model)
         if runner.rank == 0:
