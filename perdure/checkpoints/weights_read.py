@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -327,8 +328,8 @@ def with_tied(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
 
 def check_weights_fit(
     model_name: str,
-    expected: dict[str, tuple[int, ...] | None],
-    given: dict[str, tuple[int, ...] | None],
+    expected: Mapping[str, tuple[int, ...] | None],
+    given: Mapping[str, tuple[int, ...] | None],
     source: Path,
     *,
     unexpected_too: bool = True,

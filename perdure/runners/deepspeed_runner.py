@@ -26,7 +26,7 @@ import os
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from perdure.runners.pretrained_shards import describe_reads, load_shards, plan_
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
 from perdure.runners.zero3_export import zero3_source
 from perdure.runners.zero3_pretrained import is_partitioned, load_partitions, whole_shape
+
+if TYPE_CHECKING:
+    from perdure.runners.zero3_pretrained import ZeroParameter
 
 
 class DeepSpeedRunner(TorchRunner):
@@ -120,6 +123,7 @@ class DeepSpeedRunner(TorchRunner):
         if source.kind == "pretrained":
             if self.config.deepspeed.zero_stage == 3:
                 self.logger.info("%s", source.describe())
+                assert source.path is not None  # a pretrained source carries its weights' path
                 self._load_pretrained_slices(self._pretrained_weights, source.path)
                 del self._pretrained_weights
             else:
@@ -255,7 +259,7 @@ class _PartitionedEMA(ExponentialMovingAverage, StreamedState):
         # the partitioned parameters by shadow name: what `weights` gathers and `load_state_dict` cuts
         self._partitioned = {name: tensor for name, tensor in sources.items() if is_partitioned(tensor)}
         self.shadow = {
-            name: (tensor.ds_tensor if name in self._partitioned else tensor).detach().clone()
+            name: (_partition(tensor) if name in self._partitioned else tensor).detach().clone()
             for name, tensor in sources.items()
         }
 
@@ -263,7 +267,7 @@ class _PartitionedEMA(ExponentialMovingAverage, StreamedState):
     def update(self, model: torch.nn.Module) -> None:
         average_into(
             (
-                (self.shadow[name], (tensor.ds_tensor if name in self._partitioned else tensor).detach())
+                (self.shadow[name], (_partition(tensor) if name in self._partitioned else tensor).detach())
                 for name, tensor in _sources(model).items()
             ),
             self.decay,
@@ -322,6 +326,11 @@ class _PartitionedEMA(ExponentialMovingAverage, StreamedState):
             )
         for name in self.shadow:
             self.load_state_dict({"shadow": {name: shadows[name]}})
+
+
+def _partition(parameter: torch.Tensor) -> torch.Tensor:
+    """This rank's partition (`ds_tensor`) of a parameter `is_partitioned` found partitioned."""
+    return cast("ZeroParameter", parameter).ds_tensor
 
 
 def _sources(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -176,6 +176,7 @@ class ParallelRunner(TorchRunner):
             self.materialise_model(parts)
         if pretrained is not None:  # each rank reads the regions of its shards (`pretrained_shards.py`)
             load_shards(parts, pretrained)
+            assert self.restore_source.path is not None  # a pretrained source carries its weights' path
             self.logger.info("%s", describe_reads(pretrained, self.restore_source.path))
         self.model_parts = parts
         self.model = parts[0] if len(parts) == 1 else ModelParts(parts)
@@ -296,7 +297,7 @@ class ParallelRunner(TorchRunner):
             device=self.device,
             schedule=self.config.parallel.pipeline.schedule,
             microbatches=self.microbatches(),
-            criterion=self.criterion,
+            criterion=self._criterion(),
         )
 
     def wrap_model(self) -> None:
@@ -376,6 +377,7 @@ class ParallelRunner(TorchRunner):
         from perdure.data.batch import batch_length
 
         size = batch_length(batch)
+        assert self.pipeline is not None  # a batch is split so for a pipeline only
         if not (self.pipeline.is_first or self.pipeline.is_last):
             return None, None, size
         inputs, target = self.unpack_batch(batch)
@@ -383,7 +385,8 @@ class ParallelRunner(TorchRunner):
 
     def evaluate_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
         if self.pipeline is None:
-            return {key: local_loss(value) for key, value in super().evaluate_step(batch).items()}
+            metrics = super().evaluate_step(batch).items()
+            return {key: local_loss(value) if isinstance(value, torch.Tensor) else value for key, value in metrics}
         inputs, target, size = self._pipeline_batch(batch)
         return {"loss": self.pipeline.evaluate_batch(inputs, target, size)}
 
@@ -504,6 +507,7 @@ class ParallelRunner(TorchRunner):
             if owner == 0 or self.rank not in (0, owner):
                 return value if value is not None else torch.empty(0)
             if self.rank == owner:
+                assert value is not None  # the owner's stage holds it
                 dist.send(value.detach().contiguous().to(transport), dst=0)
                 return value
             dtype, shape = shapes[name]

@@ -92,8 +92,8 @@ def plan_pretrained(
     for part in parts:  # the Parameters themselves: tied names hold the same object
         for piece in state_pieces(part):  # what hooks make: its dtype and shape only, one hooked module at a time
             for key, value in piece.state(keep_vars=True).items():
-                made = isinstance(value, torch.Tensor) and id(value) not in owned
-                expected[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if made else value
+                hooked = isinstance(value, torch.Tensor) and id(value) not in owned
+                expected[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if hooked else value
     sources, made = _model_layout(slices, adapter)
     given = {key: tuple(slices.shapes[name]) for key, name in sources.items()}
     given.update({key: tuple(tensor.shape) for key, tensor in made.items()})
