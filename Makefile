@@ -29,6 +29,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check perdure tests examples benchmarks
 	# What a user's program meets: mypy --strict (config in pyproject.toml), on every example.
 	$(VENV)/bin/mypy --strict examples/*.py
+	# perdure itself, at mypy's default strictness (issue 39).
+	$(VENV)/bin/mypy perdure
 
 # Two workers: most tests wait on the processes they launch (kills, ranks, replica groups), so two keep both cores busy.
 test: lint
