@@ -44,7 +44,7 @@ class Config(RunnerConfig):
 
 
 class HFRunner(Runner):
-    model: LlamaForCausalLM  # narrower than the base's `nn.Module | None`
+    model: LlamaForCausalLM  # narrower than the base's `nn.Module`
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)

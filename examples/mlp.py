@@ -99,7 +99,7 @@ class MLP(nn.Module):
 
 
 class MLPRunner(Runner):
-    model: MLP  # narrower than the base's `nn.Module | None`: the type checker knows what this runner trains
+    model: MLP  # narrower than the base's `nn.Module`: the type checker knows what this runner trains
     criterion: nn.CrossEntropyLoss
 
     def __init__(self, config: Config) -> None:

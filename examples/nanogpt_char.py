@@ -159,7 +159,7 @@ class GPT(nn.Module):
 
 
 class CharGPTRunner(Runner):
-    model: GPT  # narrower than the base's `nn.Module | None`
+    model: GPT  # narrower than the base's `nn.Module`
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)

@@ -108,7 +108,7 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
 
 
 class LMRunner(Runner):
-    model: TinyCausalLM  # narrower than the base's `nn.Module | None`
+    model: TinyCausalLM  # narrower than the base's `nn.Module`
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)

@@ -95,7 +95,7 @@ class Bigram(nn.Module):
 
 
 class StreamRunner(Runner):
-    model: Bigram  # narrower than the base's `nn.Module | None`
+    model: Bigram  # narrower than the base's `nn.Module`
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
