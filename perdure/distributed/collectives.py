@@ -55,6 +55,30 @@ def max_each_over_ranks(values: list[int]) -> list[int]:
     return [int(value) for value in tensor.tolist()]
 
 
+def host_group() -> dist.ProcessGroup | None:
+    """A group of every rank whose collectives run on host tensors, so that reading a result never waits for a GPU:
+    None (the default group) when that is gloo, else a gloo group made now, a collective: every rank calls this at
+    the same point."""
+    if not is_distributed() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
+class PendingMax:
+    """An element-wise largest of integers over all ranks, started now and read later (`result`): the collective
+    runs while the caller goes on. Every rank reads the same values; every rank must start it at the same point."""
+
+    def __init__(self, values: list[int], group: dist.ProcessGroup | None) -> None:
+        self._tensor = torch.tensor(values, dtype=torch.int64)
+        work = dist.all_reduce(self._tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        assert work is not None  # async_op=True returns the collective's handle
+        self._work = work
+
+    def result(self) -> list[int]:
+        self._work.wait()
+        return [int(value) for value in self._tensor.tolist()]
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is True on at least one."""
     return bool(max_over_ranks(1 if flag else 0))

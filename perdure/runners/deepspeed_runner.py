@@ -151,8 +151,12 @@ class DeepSpeedRunner(TorchRunner):
         self.model = self.engine
         stage = self.engine.zero_optimization_stage()
         if stage in (1, 2) and self.config.precision == "fp32":
-            # ZeRO 1/2 check fp32 gradients for inf / NaN only when told to (bf16 has a config key, fp16 always does)
-            self.engine.optimizer.check_grad_overflow = bool(self.config.skip_nonfinite_grad)
+            # ZeRO 1/2 check fp32 gradients for inf / NaN only when told to (bf16 has a config key, fp16 always does).
+            # With the global norm taken (DeepSpeed's default) a non-finite norm skips the step already, so the
+            # separate check, a Python loop over every gradient and one more all-reduce, would only repeat it.
+            self.engine.optimizer.check_grad_overflow = bool(self.config.skip_nonfinite_grad) and not (
+                self.engine.zero_compute_grad_norm()
+            )
         if stage == 3 and self.ema is not None:
             self.ema = _PartitionedEMA(self.ema, self.engine.module)
 

@@ -15,6 +15,13 @@ collective more than it did, only a vector of world size + 1 numbers instead of 
 the ranks' host names, once. Rank 0 logs the ranks more than `SLOW_RATIO` times slower than the median, and by more
 than `SLOW_FLOOR_S` (rank, host, its time, the median); the train log line (and so `metrics.csv`) carries the ranks'
 min, median and max time per step.
+
+The stop check between log lines costs no wait once the steps are known to be short. A blocking all-reduce after
+every step would make every rank wait for the slowest one more time per step than the training itself does (and, on
+NCCL, wait for the GPU). So the check runs on host tensors (a gloo group) and, when the slowest rank's wall time per
+step at the last log line was under `PIPELINED_BELOW_S`, it is started after one step and read after the next: every
+rank still stops at the same step, one step after the signal instead of at once. Longer steps (and the steps before
+the first log line) agree at once, so that a stop never waits a long step for it.
 """
 
 from __future__ import annotations
@@ -27,13 +34,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
-from perdure.distributed.collectives import all_gather_object, max_each_of_floats, max_over_ranks
+from perdure.distributed.collectives import PendingMax, all_gather_object, host_group, max_each_of_floats
 
 SLOW_RATIO = 1.2  # a rank more than 20% slower than the median is named ...
 SLOW_FLOOR_S = 0.001  # ... when that is also more than a millisecond a step (tiny forwards jitter by more than 20%)
 MAX_NAMED = 4  # the slowest ranks a warning names at most
 NO_TIME = -1.0  # a slot no rank filled (an all-reduce MAX keeps the one rank's own time)
+PIPELINED_BELOW_S = 1.0  # steps this short agree on a stop one step late, for no wait per step
 
 logger = logging.getLogger("perdure")
 
@@ -50,10 +59,16 @@ class StragglerWatch:
         self._cuda = False
         self._last_step: int | None = None
         self._agreed: int | None = None  # the signal agreed at this step's log line, for the stop check after it
+        self._pipelined = False  # agreed at each log line: the stop check is read one step after it is started
+        self._pending: PendingMax | None = None  # the stop check started at the last check, pipelined
+        self._group: dist.ProcessGroup | None = None  # host tensors' group (made at the first check)
+        self._group_made = False
+        self._line_at: float | None = None  # perf_counter at the last log line (wall time per step)
 
     def start(self, step: int, device: torch.device | None = None) -> None:
         """The training loop starts at `step`, the model on `device` (a CUDA device: forwards timed with events)."""
         self._compute, self._last_step, self._events = 0.0, step, []
+        self._line_at = time.perf_counter()
         self._cuda = device is not None and device.type == "cuda" and self.world_size > 1
 
     @contextmanager
@@ -89,14 +104,17 @@ class StragglerWatch:
             return {}
         steps = step - self._last_step if self._last_step is not None else 0
         own = self._own_seconds() / steps if steps > 0 else 0.0
-        self._last_step = step
+        now = time.perf_counter()
+        wall = (now - self._line_at) / steps if steps > 0 and self._line_at is not None else NO_TIME
+        self._last_step, self._line_at = step, now
         if self.hosts is None:
             self.hosts = [str(host) for host in all_gather_object(socket.gethostname())]
-        slots = [NO_TIME] * (self.world_size + 1)
-        slots[0], slots[1 + self.rank] = float(signal), own if steps > 0 else NO_TIME
+        slots = [NO_TIME] * (self.world_size + 2)
+        slots[0], slots[1], slots[2 + self.rank] = float(signal), wall, own if steps > 0 else NO_TIME
         reduced = max_each_of_floats(slots)
         self._agreed = int(reduced[0])
-        times = reduced[1:]
+        self._pipelined = 0 <= reduced[1] < PIPELINED_BELOW_S  # the slowest rank's wall time per step
+        times = reduced[2:]
         if any(seconds < 0 for seconds in times):  # a rank without a step since the last line
             return {}
         median = statistics.median(times)
@@ -105,12 +123,20 @@ class StragglerWatch:
         return {"rank_step_time_min": min(times), "rank_step_time_median": median, "rank_step_time_max": max(times)}
 
     def agreed_signal(self, received: int) -> int:
-        """The stop check (several ranks): the signal agreed at this step's log line if one was, else the largest
-        signal any rank received now (one collective)."""
+        """The stop check (several ranks; every rank calls it at the same points): the signal agreed at this step's
+        log line if one was, else the largest signal any rank received now, or (pipelined, module docstring) by the
+        previous check. The same value on every rank."""
+        if not self._group_made:
+            self._group, self._group_made = host_group(), True
+        agreed, at_log_line = 0, self._agreed is not None
+        if self._pending is not None:
+            agreed, self._pending = self._pending.result()[0], None
         if self._agreed is not None:
-            agreed, self._agreed = self._agreed, None
+            agreed, self._agreed = max(agreed, self._agreed), None
+        if self._pipelined:  # what this rank holds now is read at the next check
+            self._pending = PendingMax([received], self._group)
             return agreed
-        return max_over_ranks(received)
+        return agreed if at_log_line else max(agreed, PendingMax([received], self._group).result()[0])
 
     def _name_slow_ranks(self, step: int, times: list[float], median: float) -> None:
         slow = sorted((rank for rank, seconds in enumerate(times)

@@ -132,8 +132,10 @@ class TorchRunner(BaseRunner):
             self.scaler.unscale_(optimizer)
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         finite = self.clip_and_check_gradients(parameters)
-        if self.world_size > 1:
-            finite = all_ranks(finite)  # all-reduced gradients agree already; this makes the skip a joint decision
+        if self.world_size > 1 and not isinstance(self.model, DistributedDataParallel):
+            # DDP all-reduced the gradients, so every rank holds the same ones and decides alike without a collective
+            # (an inf or NaN on one rank is in every rank's average); other wrappers' ranks hold their own part.
+            finite = all_ranks(finite)
         if self.scaler is not None:
             if finite:
                 self.scaler.step(optimizer)

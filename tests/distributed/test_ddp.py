@@ -61,9 +61,12 @@ def test_sigkill_of_every_rank_and_rerun_is_bit_exact(reference, tmp_path):
 
 
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(reference, tmp_path):
+    """A log line every 4 steps: past the first one, the steps being short, the ranks agree on the signal one step
+    after rank 1 received it (the pipelined stop check, tests/distributed/test_stop_agreement.py)."""
     root = tmp_path / "run"
     log = tmp_path / "first-{rank}.jsonl"
-    processes = start_ranks(2, "resumable.py", root, *ARGS, STEP_SLEEP="0.03", LOSS_LOG=str(log))
+    lines = ("--log.interval", "4")
+    processes = start_ranks(2, "resumable.py", root, *ARGS, *lines, STEP_SLEEP="0.03", LOSS_LOG=str(log))
     first_log = tmp_path / "first-0.jsonl"
     deadline = time.monotonic() + 120
     while not (first_log.exists() and len(first_log.read_text().splitlines()) >= 12):
@@ -78,7 +81,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(reference, tmp_pa
     manifest = verify_checkpoint(latest)
     assert manifest["global_step"] == stopped and manifest["world_size"] == 2
     assert {"rank00000.pth", "rank00001.pth"} <= set(manifest["files"])
-    assert_all_ok(run_ranks(2, "resumable.py", root, *ARGS, LOSS_LOG=str(tmp_path / "rerun-{rank}.jsonl")))
+    assert_all_ok(run_ranks(2, "resumable.py", root, *ARGS, *lines, LOSS_LOG=str(tmp_path / "rerun-{rank}.jsonl")))
     compare_with_reference(reference, root, tmp_path)
 
 

@@ -1,0 +1,54 @@
+"""The stop check between log lines (perdure/runners/stragglers.py): every rank reads the same signal at the same
+check; with short steps it is read one check after a rank received it (no wait per step), with long ones at once, and
+a log line's exchange agrees at once whatever the mode. Two real gloo ranks; rank 1 alone receives SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from perdure.runners import stragglers
+from tests.distributed.gloo_ranks import run_on_gloo_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+SIGTERM = int(signal.SIGTERM)
+
+
+def agreed_at_each_check(rank: int, world_size: int, log_every: int, signal_at: int, slow_steps: bool) -> list[int]:
+    """Ten steps; a log line every `log_every`; rank 1 holds SIGTERM from step `signal_at` on; the agreed signal at
+    each step's check."""
+    if slow_steps:  # steps longer than the bound: every check agrees at once
+        stragglers.PIPELINED_BELOW_S = 0.0
+    watch = stragglers.StragglerWatch(rank, world_size)
+    watch.start(0)
+    agreed = []
+    for step in range(1, 11):
+        received = SIGTERM if rank == 1 and step >= signal_at else 0
+        if step % log_every == 0:
+            watch.exchange(received, step)
+        agreed.append(watch.agreed_signal(received))
+    return agreed
+
+
+def first_stop(agreed: list[int]) -> int:
+    return next(step for step, value in enumerate(agreed, start=1) if value)
+
+
+def test_short_steps_agree_one_check_late_and_every_rank_reads_the_same():
+    """After the first log line (step 2) the steps are short: the signal of step 5 is read at step 6 on both ranks."""
+    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 2, 5, False)
+    assert ranks[0] == ranks[1]
+    # step 5 is odd (no log line): started there, read at step 6 (also a log line, which agrees at once anyway)
+    assert first_stop(ranks[0]) == 6
+    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 4, 5, False)
+    assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 6  # no log line at 5 or 6: read one check late
+    assert all(value == SIGTERM for value in ranks[0][5:])
+
+
+def test_before_the_first_log_line_and_with_long_steps_the_check_agrees_at_once():
+    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 8, 3, False)  # step 3 comes before the first log line
+    assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 3
+    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 2, 5, True)
+    assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 5
