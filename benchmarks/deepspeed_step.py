@@ -55,7 +55,7 @@ VARIANTS = ("hand", "runner", "runner-lean")
 FEATURES, WIDTH, LAYERS, CLASSES, BATCH, SAMPLES = 512, 512, 4, 10, 32, 4096
 SCALE_WIDTHS = (256, 512, 1024)  # 0.33M, 1.05M, 3.68M parameters: the same batch, features and depth
 WARMUP_STEPS = 10
-TARGET_STEP_RATIO = 1.05
+TARGET_STEP_RATIO = 1.02  # issue 37: within 2% of the hand loop
 TARGET_SAVE_RATIO = 1.5
 
 
