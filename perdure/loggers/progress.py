@@ -66,6 +66,9 @@ class ProgressBar:
 
     def update(self, step: int, metrics: Mapping[str, float] | None = None) -> None:
         """Training reached `step`; `metrics` (e.g. the latest loss) replace the shown values of the same names."""
+        if not self.enabled:  # nothing will be drawn (called after every step): the step alone, for `rate` / `eta`
+            self._step = step
+            return
         with self._lock:
             self._step = step
             if metrics:

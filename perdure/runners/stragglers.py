@@ -31,7 +31,7 @@ import socket
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ SLOW_RATIO = 1.2  # a rank more than 20% slower than the median is named ...
 SLOW_FLOOR_S = 0.001  # ... when that is also more than a millisecond a step (tiny forwards jitter by more than 20%)
 MAX_NAMED = 4  # the slowest ranks a warning names at most
 NO_TIME = -1.0  # a slot no rank filled (an all-reduce MAX keeps the one rank's own time)
+NOT_TIMED: AbstractContextManager[None] = nullcontext()  # one rank: nothing to compare (reusable)
 PIPELINED_BELOW_S = 1.0  # steps this short agree on a stop one step late, for no wait per step
 
 logger = logging.getLogger("perdure")
@@ -71,12 +72,13 @@ class StragglerWatch:
         self._line_at = time.perf_counter()
         self._cuda = device is not None and device.type == "cuda" and self.world_size > 1
 
-    @contextmanager
-    def timing(self) -> Iterator[None]:
+    def timing(self) -> AbstractContextManager[None]:
         """Around one micro-batch's `train_step`: its time on this rank (a no-op with one rank)."""
-        if self.world_size == 1:
-            yield
-        elif self._cuda:
+        return NOT_TIMED if self.world_size == 1 else self._timed()
+
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        if self._cuda:
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             began.record()
             yield
