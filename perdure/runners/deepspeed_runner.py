@@ -54,7 +54,7 @@ from perdure.runners.export import StreamSource, export_streamed
 from perdure.runners.pretrained_shards import describe_reads, load_shards, plan_pretrained
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
 from perdure.runners.zero3_export import zero3_source
-from perdure.runners.zero3_pretrained import is_partitioned, load_partitions, whole_shape
+from perdure.runners.zero3_pretrained import gathered_whole, is_partitioned, load_partitions, whole_shape
 
 if TYPE_CHECKING:
     from perdure.runners.zero3_pretrained import ZeroParameter
@@ -136,9 +136,13 @@ class DeepSpeedRunner(TorchRunner):
     def _load_pretrained_slices(self, slices: WeightSlices, path: Path) -> None:
         """ZeRO-3, before the engine is built: names and shapes checked against the whole model (a partitioned
         parameter's `ds_shape`), then a model built partitioned gets each rank's part of each parameter
-        (`load_partitions`), one built whole every tensor, one at a time (`load_shards`)."""
-        plan = plan_pretrained(self.model, slices, self.state_dict_adapter(), full_shape=whole_shape)
-        if any(is_partitioned(parameter) for parameter in self.model.parameters()):
+        (`load_partitions`), one built whole every tensor, one at a time (`load_shards`). A hooked module's hooks run
+        on its parameters gathered whole, one hooked module at a time (`gathered_whole`), never on empty partitions."""
+        partitioned = any(is_partitioned(parameter) for parameter in self.model.parameters())
+        gathered = gathered_whole if partitioned else None
+        adapter = self.state_dict_adapter()
+        plan = plan_pretrained(self.model, slices, adapter, full_shape=whole_shape, gathered=gathered)
+        if partitioned:
             load_partitions(self.model, plan)
             self.logger.info("%s", describe_reads(plan, path))
         else:

@@ -25,6 +25,7 @@ What a rank reads beyond its shards:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -80,20 +81,23 @@ def plan_pretrained(
     adapter: StateDictAdapter | None,
     whole: bool = True,
     full_shape: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
+    gathered: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
 ) -> PretrainedPlan:
     """Map the weights' names into `model`'s (the whole model, or this rank's parts when `whole` is False) and check
     names and shapes, reading no tensor data (except what an adapter computes, after the check). CheckpointError
     naming the missing, unexpected and mis-shaped keys, as a whole-model load does. `full_shape`: a tensor's whole
     shape where its `shape` is not (a ZeRO-3 partitioned parameter's `ds_shape`); default its `shape` (a DTensor's is
-    whole)."""
+    whole). `gathered(module)`: a context in which a hooked module's own tensors are whole for its hooks to run on
+    (ZeRO-3: its partitions gathered, `zero3_pretrained.gathered_whole`); default none needed."""
     parts = model if isinstance(model, list) else [model]
     expected: dict[str, Any] = {}
     owned = set().union(*(own_tensors(part) for part in parts))
     for part in parts:  # the Parameters themselves: tied names hold the same object
         for piece in state_pieces(part):  # what hooks make: its dtype and shape only, one hooked module at a time
-            for key, value in piece.state(keep_vars=True).items():
-                hooked = isinstance(value, torch.Tensor) and id(value) not in owned
-                expected[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if hooked else value
+            with gathered(piece.module) if gathered is not None and piece.hooked else nullcontext():
+                for key, value in piece.state(keep_vars=True).items():
+                    hooked = isinstance(value, torch.Tensor) and id(value) not in owned
+                    expected[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if hooked else value
     sources, made = _model_layout(slices, adapter)
     given = {key: tuple(slices.shapes[name]) for key, name in sources.items()}
     given.update({key: tuple(tensor.shape) for key, tensor in made.items()})

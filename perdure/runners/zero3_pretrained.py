@@ -14,24 +14,34 @@ built (it takes its flat partitions and, in bf16 / fp16, its fp32 master copy fr
     a buffer (whole on every  read whole and copied in
       rank under ZeRO-3)
 
-No collective is involved: each rank reads on its own, one tensor's rows at a time. The tensors an adapter computes
-(`state_dict_adapter()`: fused, permuted) are computed whole from the tensors they need, on every rank, as on
-stack=parallel (`pretrained_shards.py`). A state-dict hook that makes new tensors (a fused `wqkv` saved split) cannot
-be loaded into partitions: refused, naming the key.
+Each rank reads on its own, one tensor's rows at a time. The tensors an adapter computes (`state_dict_adapter()`:
+fused, permuted) are computed whole from the tensors they need, on every rank, as on stack=parallel
+(`pretrained_shards.py`).
+
+A hooked module (`checkpoints/state_pieces.py`: a state-dict post-hook or a `state_dict` of its own, which may rename,
+fuse or split its tensors) is one piece, and its hooks never run on the partitions (their shape is empty): its own
+parameters are gathered whole (`gathered_whole`, a collective), one hooked module at a time, for its hooks to give its
+names and shapes (`plan_pretrained(..., gathered=gathered_whole)`) and again at the load. Should its hooks only pass
+its tensors through (a rename), each rank reads its partitions as above. Should they make tensors (a `wqkv` saved split
+into `wq` / `wk` / `wv`), its state dict is made from the gathered parameters, read whole into, loaded back through its
+load hooks, and DeepSpeed cuts each rank's partitions from the result (`GatheredParameters(modifier_rank=0)`): each
+rank holds one hooked module whole at a time, never the model.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from perdure.checkpoints.state_pieces import StatePiece, made_by_hooks, own_tensors, state_pieces
 from perdure.checkpoints.weights_slices import Region
 from perdure.errors import PerdureError
-from perdure.runners.compile import strip_compile_prefix, uncompiled
+from perdure.runners.compile import uncompiled
 from perdure.runners.pretrained_shards import PretrainedPlan
 
 if TYPE_CHECKING:
@@ -64,29 +74,63 @@ def whole_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(tensor.ds_shape) if is_partitioned(tensor) else tuple(tensor.shape)
 
 
+def gathered_whole(module: nn.Module) -> AbstractContextManager[Any]:
+    """`module`'s partitioned parameters gathered whole on every rank, to be read (a collective: DeepSpeed's
+    `GatheredParameters`; nothing is written back): what a hooked module's state-dict hooks run on."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters()))
+
+
 @torch.no_grad()
 def load_partitions(module: nn.Module, plan: PretrainedPlan) -> None:
     """Copy into each partitioned parameter of `module` this rank's chunk of its tensor in the weights, and each buffer
-    (and any whole parameter) whole; see the module docstring. `plan`: from `plan_pretrained(..., full_shape=
-    whole_shape)`, names and shapes already checked. Call it before the engine is built."""
+    (and any whole parameter) whole; a hooked module through its hooks, one at a time; see the module docstring.
+    `plan`: from `plan_pretrained(..., full_shape=whole_shape, gathered=gathered_whole)`, names and shapes already
+    checked. A collective where a module is hooked (every rank calls it). Call it before the engine is built."""
     target = uncompiled(module)
-    owned = {id(tensor) for tensor in (*target.parameters(), *target.buffers())}
+    owned = own_tensors(target)
     loaded: set[int] = set()
-    for key, value in strip_compile_prefix(target.state_dict(keep_vars=True)).items():
-        if not isinstance(value, torch.Tensor) or id(value) in loaded:  # a tied parameter: loaded once
+    for piece in state_pieces(target):
+        if piece.hooked:
+            _load_hooked(piece, plan, owned, loaded)
             continue
-        if id(value) not in owned:
-            raise PerdureError(
-                f"--pretrained into {type(target).__name__} built partitioned (ZeRO-3 init_module): its state dict's "
-                f"{key!r} is made by a state-dict hook, not one of its parameters or buffers, and cannot be loaded "
-                "into partitions. Build the model whole (outside self.init_module()) to load these weights, or "
-                "remove the hook"
-            )
-        loaded.add(id(value))
-        if is_partitioned(value):
-            _load_partition(key, value, plan)
-        else:
-            value.copy_(plan.read(key, None))
+        for key, value in piece.state(keep_vars=True).items():
+            _load_entry(key, value, plan, loaded)
+
+
+def _load_entry(key: str, value: Any, plan: PretrainedPlan, loaded: set[int]) -> None:
+    """One of the model's own tensors: this rank's chunk of a partitioned parameter, any other tensor whole."""
+    if not isinstance(value, torch.Tensor) or id(value) in loaded:  # a tied parameter: loaded once
+        return
+    loaded.add(id(value))
+    if is_partitioned(value):
+        _load_partition(key, value, plan)
+    else:
+        value.copy_(plan.read(key, None))
+
+
+def _load_hooked(piece: StatePiece, plan: PretrainedPlan, owned: set[int], loaded: set[int]) -> None:
+    """A hooked module: its state dict made from its parameters gathered whole (a collective). Only the module's own
+    tensors under other names: each rank reads its partitions of them. Tensors its hooks made: the state dict read
+    whole, loaded back through its load hooks while gathered, and each rank's partitions cut from the result by
+    DeepSpeed when the gather ends (every rank loads the same values; rank 0's are the ones kept)."""
+    import deepspeed
+
+    with gathered_whole(piece.module):
+        state = piece.state(keep_vars=True)
+        made = made_by_hooks(piece, state, owned)
+        if made:
+            del state  # made again below, where what is loaded into the gathered parameters is kept
+    if not made:
+        for key, value in state.items():
+            _load_entry(key, value, plan, loaded)
+        return
+    with deepspeed.zero.GatheredParameters(list(piece.module.parameters()), modifier_rank=0):
+        state = piece.state()
+        plan.read_into([(key, None, value) for key, value in state.items() if isinstance(value, torch.Tensor)])
+        piece.load(state)
+        del state
 
 
 def _load_partition(key: str, parameter: ZeroParameter, plan: PretrainedPlan) -> None:

@@ -14,6 +14,9 @@ Environment knobs (tests only):
   EXPORT_RSS, CHECKPOINT_RSS  each rank writes how far its resident memory rose during the final export / during its
                 last checkpoint save (bytes: the peak from the phase's start, when the peak is reset, over the resident
                 memory then), "{rank}" replaced
+  LOAD_RSS      each rank writes how far its resident memory rose while `--pretrained` was loaded into its
+                partitions, before the engine is built (bytes: the peak from the load's start over the resident memory
+                then; stack=deepspeed with ZeRO-3), "{rank}" replaced
   SPLIT_STATE   each hidden Linear(width, width) saves its weight as two new tensors, `weight_top` and `weight_bottom`
                 (its rows split in half, cloned), in a state-dict post-hook, and a load pre-hook joins them back: what
                 a hook makes, as a fused QKV saved split
@@ -70,6 +73,12 @@ class ZeroInitRunner(Runner):
 
     def write_final_exports(self):
         return self._measured("EXPORT_RSS", lambda: super(ZeroInitRunner, self).write_final_exports(), False)
+
+    def _load_pretrained_slices(self, slices, path):
+        # DeepSpeedRunner's ZeRO-3 --pretrained load alone: the engine built after it allocates its own state
+        return self._measured(
+            "LOAD_RSS", lambda: super(ZeroInitRunner, self)._load_pretrained_slices(slices, path), False
+        )
 
     def _measured(self, knob, phase, saved):
         """`phase()`; with the knob set, how far this rank's resident memory rose during it, written to its file (with
