@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING
 
 from perdure import sections as sections  # importing it registers the built-in config sections' checks
+from perdure.checkpoints import formats as formats  # importing it registers every format the read path reads
 from perdure.checkpoints.base import CheckpointManager, CheckpointPolicy
 from perdure.checkpoints.file import FileCheckpointManager
 from perdure.checkpoints.hf_adapter import StateDictAdapter

@@ -1,4 +1,4 @@
-"""Reading weights in Hugging Face formats through the one read entry (`perdure.checkpoints.weights_read`):
+"""Reading weights in Hugging Face formats through the one read entry (`perdure.checkpoints.read`):
 `save_pretrained` directories (one file, sharded with an index, `pytorch_model.bin`), a single safetensors file and
 perdure's own `model.safetensors`, for `--pretrained`, `from_pretrained` and `perdure ckpt export`; a TorchTitan-style
 Llama starts from Hugging Face Llama weights through its adapter; hostile safetensors headers and indexes are
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from perdure import CheckpointError, PerdureError, WeightsMisfitError
-from perdure.checkpoints.weights_read import check_safetensors_header, is_hf_source, read_weights
+from perdure.checkpoints.hf_read import check_safetensors_header, is_hf_source
+from perdure.checkpoints.read import read_weights
 from perdure.cli import main as cli
 from tests.runs import run_dir
 from tests.scripts.resumable import ResumableRunner, make_config

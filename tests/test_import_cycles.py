@@ -11,18 +11,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # Known cycles (issue 39), each a strongly connected component of today's graph. Break one, then shrink or remove its
 # entry here; the test fails on any cycle not inside one of these, and on an entry that no longer matches.
 KNOWN_CYCLES: list[frozenset[str]] = [
-    # checkpoint backends chosen by their own base: CheckpointManager._reader picks the backend that reads a
-    # checkpoint of another backend (select.backend_class); the read side's own module is to take that choice over
-    frozenset(
-        {
-            "perdure.checkpoints.base",
-            "perdure.checkpoints.dcp",
-            "perdure.checkpoints.deepspeed_engine",
-            "perdure.checkpoints.deepspeed_io",
-            "perdure.checkpoints.file",
-            "perdure.checkpoints.select",
-        }
-    ),
     # the runner's lifecycle and the stacks it picks (mixins -> components is still to do)
     frozenset(
         {

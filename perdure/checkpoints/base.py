@@ -27,6 +27,7 @@ from perdure.checkpoints.commit import (
 from perdure.checkpoints.gather import gather_records, publish_records
 from perdure.checkpoints.mirror_restore import restore_newest
 from perdure.checkpoints.mirror_upload import MirrorFailure, MirrorUploader
+from perdure.checkpoints.read import StateReader, checkpoint_format
 from perdure.checkpoints.resolve import CheckpointInfo, Resolution, committed_checkpoints, find_latest, report
 from perdure.checkpoints.resolve import repair as repair_checkpoints
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
@@ -35,7 +36,7 @@ from perdure.checkpoints.save_watch import SaveWatch
 from perdure.checkpoints.snapshot import Snapshot, available_memory, local_part, snapshot_nbytes
 from perdure.distributed.collectives import all_ranks
 from perdure.distributed.process_group import launched_local_world_size
-from perdure.errors import CheckpointError, PerdureError
+from perdure.errors import CheckpointError
 from perdure.safe_io import ensure_dir, is_symlink, refuse_symlinked_dir, safe_name
 
 logger = logging.getLogger("perdure")
@@ -355,7 +356,7 @@ class CheckpointManager(ABC):
 
     def point_best(self, name: str) -> None:
         """Point `best` at `name`, a checkpoint committed by an earlier attempt whose evaluation only this attempt
-        finished (see `EvaluationMixin._evaluate_pending`). Rank 0 writes, when no save is in flight (the attempt has
+        finished (see `BaseRunner._evaluate_pending`). Rank 0 writes, when no save is in flight (the attempt has
         not saved yet); a pointer that cannot be written is reported and `best` keeps its checkpoint."""
         if self.rank != 0 or not self.policy.enabled or not (self.root / name).is_dir():
             return
@@ -423,19 +424,15 @@ class CheckpointManager(ABC):
             self.resumed_from = info.name
         return found
 
-    def _reader(self, info: CheckpointInfo) -> CheckpointManager:
-        """This manager, or one of the backend that wrote `info` (a run may change `ckpt.backend`, e.g. `auto` when
-        it resumes on another number of ranks). Every rank makes the same choice, from the broadcast manifest."""
-        from perdure.checkpoints.select import backend_class
-
+    def _reader(self, info: CheckpointInfo) -> StateReader:
+        """This manager, or the manager of the backend that wrote `info`, from the read path's registry
+        (`read.checkpoint_format`; a run may change `ckpt.backend`, e.g. `auto` when it resumes on another number of
+        ranks). Every rank makes the same choice, from the broadcast manifest."""
         backend = info.manifest.get("backend", self.backend)
         if backend == self.backend:
             return self
-        try:
-            cls = backend_class(backend) if isinstance(backend, str) else None
-        except PerdureError:
-            cls = None
-        if cls is None:
+        written_by = checkpoint_format(backend)
+        if written_by is None or written_by.manager is None:
             raise CheckpointError(
                 f"checkpoint {info.path} was written by backend {safe_name(backend)}, which this version of perdure "
                 "cannot read"
@@ -448,7 +445,7 @@ class CheckpointManager(ABC):
             self.backend,
             backend,
         )
-        return cls(
+        return written_by.manager(
             self.root,
             self.policy,
             rank=self.rank,

@@ -48,8 +48,10 @@ from perdure.checkpoints.async_save import AsyncSaver, _raise_open_file_limit
 from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, write_file
 from perdure.checkpoints.dcp_process import replace_after_failure
+from perdure.checkpoints.dcp_slices import DCPSlices
 from perdure.checkpoints.file import local_file, read_local_states
 from perdure.checkpoints.module_state import load_module_state_dict, module_state_dict
+from perdure.checkpoints.read import WeightsFormat, WeightsLocation, register_format
 from perdure.checkpoints.safe_dcp import RestrictedFileSystemReader, RestrictedLoadPlanner, read_dcp_metadata
 from perdure.checkpoints.safe_unpickle import load_torch_file
 from perdure.checkpoints.save_errors import save_failure
@@ -287,3 +289,18 @@ def _describe(error: BaseException) -> str:
         failures = ", ".join(f"rank {rank}: {type(e[0]).__name__}: {e[0]}" for rank, e in error.failures.items())
         return f"DCP failed on {failures}"
     return f"{type(error).__name__}: {error}"
+
+
+def _open_dcp_slices(location: WeightsLocation, ema: bool) -> DCPSlices:
+    """The weights of a DCP checkpoint, opened from its metadata: each region read from the chunks it overlaps."""
+    return DCPSlices(location.path, location.info.path, location.info.manifest.get("files"), ema)
+
+
+register_format(
+    WeightsFormat(
+        DCPCheckpointManager.backend,
+        read=lambda location, ema, mmap: read_dcp_weights(location.info.path, ema=ema),
+        open_slices=_open_dcp_slices,
+        manager=DCPCheckpointManager,
+    )
+)

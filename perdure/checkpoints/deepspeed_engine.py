@@ -41,6 +41,7 @@ from perdure.checkpoints.commit import FileRecord, hash_file, read_manifest, wri
 from perdure.checkpoints.deepspeed_files import TAG, check_engine_files, check_tag_dir
 from perdure.checkpoints.deepspeed_universal import UniversalSource, prune_derived
 from perdure.checkpoints.file import _save, local_file, read_local_states
+from perdure.checkpoints.read import WeightsFormat, register_format
 from perdure.checkpoints.safe_unpickle import deepspeed_loads_restricted, deepspeed_refusal, load_torch_file
 from perdure.errors import CheckpointError
 
@@ -307,3 +308,12 @@ def read_deepspeed_weights(path: Path, ema: bool = False) -> dict[str, torch.Ten
     except Exception as error:
         raise CheckpointError(f"cannot gather the weights of {path}: {type(error).__name__}: {error}") from error
     return {name: tensor.clone() for name, tensor in weights.items()}  # each its own storage, not a flat group's view
+
+
+register_format(
+    WeightsFormat(
+        DeepSpeedCheckpointManager.backend,
+        read=lambda location, ema, mmap: read_deepspeed_weights(location.info.path, ema=ema),
+        manager=DeepSpeedCheckpointManager,
+    )
+)

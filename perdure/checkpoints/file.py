@@ -12,7 +12,9 @@ import torch.utils.serialization as serialization
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
 from perdure.checkpoints.commit import FileRecord, write_file
+from perdure.checkpoints.read import WeightsFormat, WeightsLocation, load_weights_file, register_format
 from perdure.checkpoints.safe_unpickle import load_torch_file
+from perdure.errors import CheckpointError
 
 logger = logging.getLogger("perdure")
 
@@ -68,3 +70,24 @@ def read_local_states(path: Path, rank: int, local_states: Mapping[str, Stateful
         if key in local:
             state.load_state_dict(local[key])
     return True
+
+
+def read_file_weights(location: WeightsLocation, ema: bool = False, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """The model (`ema`: EMA) weights of a file-backend checkpoint, from its `state.pth` (`mmap`: mapped, not read)."""
+    path = location.info.path
+    state = load_weights_file(path / REPLICATED_FILE, mmap=mmap)
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{path / REPLICATED_FILE} holds no model state; it is not a perdure checkpoint")
+    if ema:
+        if "ema" not in state:
+            raise CheckpointError(f"checkpoint {path} holds no EMA weights (it was trained with ema.enabled=false)")
+        weights = state["ema"].get("shadow") if isinstance(state["ema"], dict) else None
+    else:
+        weights = state["model"]
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        what = "EMA weights" if ema else "model weights"
+        raise CheckpointError(f"{path / REPLICATED_FILE} holds no state dict of tensors as its {what}")
+    return weights
+
+
+register_format(WeightsFormat(FileCheckpointManager.backend, read=read_file_weights, manager=FileCheckpointManager))

@@ -1,4 +1,5 @@
-"""Which CheckpointManager a run uses (`ckpt.backend`), and which one reads a checkpoint (its manifest's `backend`)."""
+"""Which CheckpointManager a run saves with (`ckpt.backend`). Which one reads a checkpoint (its manifest's `backend`)
+is the read path's choice (`read.checkpoint_format`)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def manager_class(backend: str, world_size: int) -> type[CheckpointManager]:
 
 
 def backend_class(backend: str) -> type[CheckpointManager]:
-    """The manager class that reads and writes checkpoints of `backend` (a manifest's `backend` field)."""
+    """The manager class that writes checkpoints of `backend`."""
     if backend == "file":
         from perdure.checkpoints.file import FileCheckpointManager
 

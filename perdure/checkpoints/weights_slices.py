@@ -1,8 +1,7 @@
 """Reading weights slice by slice: each rank of a sharded model reads only the regions of the tensors it holds.
 
-`open_weight_slices(path)` (`weights_open.py`) opens any form `read_weights` reads (`weights_read.py`) and reads no
-tensor data: it gives every tensor's name, shape and dtype, and `read(name, region)` then reads one region of one
-tensor.
+`open_weight_slices(path)` (the read path, `read.py`) opens any form `read_weights` reads and reads no tensor data:
+it gives every tensor's name, shape and dtype, and `read(name, region)` then reads one region of one tensor.
 
     safetensors files (perdure's      the headers only, checked by `check_safetensors_header` (bounded, offsets that
       `model.safetensors`, a Hugging    tile the file) before anything else; a region is read with the safetensors
@@ -31,11 +30,7 @@ from pathlib import Path
 
 import torch
 
-from perdure.checkpoints.weights_read import (
-    check_safetensors_header,
-    is_hf_source,
-    open_safetensors,
-)
+from perdure.checkpoints.hf_read import check_safetensors_header, is_hf_source, open_safetensors
 from perdure.runners.compile import plain_name
 
 # safetensors' dtype names (those `check_safetensors_header` admits) -> torch dtypes

@@ -5,7 +5,7 @@
                                               (also a .safetensors file or a save_pretrained directory)
     perdure ckpt export CKPT OUT.pth|OUT.safetensors [--dtype bf16] [--ema]
                                               CKPT may also be a weights file (.pth, .safetensors) or a
-                                              save_pretrained directory (see weights_read.py)
+                                              save_pretrained directory (see checkpoints/read.py)
     perdure ckpt export CKPT OUT_DIR --format hf    a directory transformers' from_pretrained loads
     perdure ckpt prune RUN --keep K [--dry-run]
 
@@ -38,9 +38,9 @@ from perdure.checkpoints.commit import (
     verify_checkpoint,
 )
 from perdure.checkpoints.hf_export import HF_META, read_hf_meta, write_hf_dir
+from perdure.checkpoints.hf_read import hf_dir_files, is_hf_dir, is_hf_source
 from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
-from perdure.checkpoints.weights_read import hf_dir_files, is_hf_dir, is_hf_source
 from perdure.cli.ckpt_mirror import is_url, location, mirror_export, mirror_ls, mirror_prune, mirror_verify, on_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
@@ -345,7 +345,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _verify_weights(path: Path) -> int:
     """`verify` of a safetensors file or a `save_pretrained` directory: every file's header checked, every tensor read
-    (`weights_read.read_weights`); 1 if any of it fails."""
+    (`read.read_weights`); 1 if any of it fails."""
     files = hf_dir_files(path) if path.is_dir() else [path]
     try:
         weights = read_weights(path)
@@ -373,7 +373,7 @@ def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str, dict[st
     if (path.is_file() and path.name not in POINTERS) or is_hf_dir(path):
         if ema:
             raise CheckpointError(f"{path} holds one set of weights; --ema needs a checkpoint (it holds both sets)")
-        # Weights in the Hugging Face layout stay marked as such (`weights_read.is_hf_source`): not perdure's `source`.
+        # Weights in the Hugging Face layout stay marked as such (`hf_read.is_hf_source`): not perdure's `source`.
         return read_weights(path), str(path), {"format": "pt", ("hf" if is_hf_source(path) else "source"): path.name}
     info: CheckpointInfo = resolve_path(path)
     backend = info.manifest.get("backend", "file")

@@ -1,5 +1,5 @@
 """Model-only weights: the `model.pth` / `model.safetensors` exports. Reading weights back (`--pretrained`, ...):
-`perdure.checkpoints.weights_read.read_weights`, importable from here too."""
+`perdure.checkpoints.read.read_weights` (the read path), importable from here too."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import nn
 
 from perdure.atomic import atomic_write, atomic_write_by_name
 from perdure.checkpoints.export_stream import Planned, stream_order, write_streamed
+from perdure.checkpoints.read import read_weights
 from perdure.checkpoints.state_pieces import made_by_hooks, own_tensors, state_pieces
-from perdure.checkpoints.weights_read import read_weights
 from perdure.errors import CheckpointError, ConfigError, PerdureError
 from perdure.runners.compile import strip_compile_prefix
 

@@ -34,10 +34,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
+from perdure.checkpoints.read import open_weight_slices
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
 from perdure.checkpoints.source import RestoreSource
-from perdure.checkpoints.weights_open import open_weight_slices
 from perdure.checkpoints.weights_slices import WeightSlices
 from perdure.distributed.collectives import all_gather_object
 from perdure.distributed.grad_norm import clip_grad_norm

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from perdure.checkpoints.commit import MANIFEST_NAME, hash_file, read_manifest
-from perdure.checkpoints.weights_read import read_weights
+from perdure.checkpoints.read import read_weights
 from tests.runs import assert_all_ok, assert_same_weights, built_once, read_rises, run_dir, run_ranks
 
 COMMON = ("--dist.timeout", "60")
