@@ -43,7 +43,6 @@ from perdure.checkpoints.module_state import as_module_state_dict
 from perdure.checkpoints.source import RestoreSource
 from perdure.checkpoints.weights_open import open_weight_slices
 from perdure.checkpoints.weights_slices import WeightSlices
-from perdure.distributed.collectives import all_ranks
 from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend
 from perdure.errors import CheckpointError
@@ -188,7 +187,7 @@ class DeepSpeedRunner(TorchRunner):
             grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
             finite = self._grads_finite(grads)
             if self.world_size > 1:
-                finite = all_ranks(finite)
+                finite = self.agree_finite(finite)
             if not finite:
                 engine.zero_grad()
                 return False

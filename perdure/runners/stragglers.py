@@ -114,7 +114,7 @@ class StragglerWatch:
         slots = [NO_TIME] * (self.world_size + 2)
         slots[0], slots[1], slots[2 + self.rank] = float(signal), wall, own if steps > 0 else NO_TIME
         reduced = max_each_of_floats(slots)
-        self._agreed = int(reduced[0])
+        self.agreed_at_this_step(int(reduced[0]))
         self._pipelined = 0 <= reduced[1] < PIPELINED_BELOW_S  # the slowest rank's wall time per step
         times = reduced[2:]
         if any(seconds < 0 for seconds in times):  # a rank without a step since the last line
@@ -130,15 +130,22 @@ class StragglerWatch:
         previous check. The same value on every rank."""
         if not self._group_made:
             self._group, self._group_made = host_group(), True
-        agreed, at_log_line = 0, self._agreed is not None
+        agreed = 0
         if self._pending is not None:
             agreed, self._pending = self._pending.result()[0], None
-        if self._agreed is not None:
+        if self._agreed is not None:  # a collective of this step agreed already: none of its own
             agreed, self._agreed = max(agreed, self._agreed), None
+            return agreed
         if self._pipelined:  # what this rank holds now is read at the next check
             self._pending = PendingMax([received], self._group)
             return agreed
-        return agreed if at_log_line else max(agreed, PendingMax([received], self._group).result()[0])
+        return max(agreed, PendingMax([received], self._group).result()[0])
+
+    def agreed_at_this_step(self, signal: int) -> None:
+        """A collective of this step carried every rank's preemption signal (`signal`: the largest), as the log line's
+        exchange and the agreement on finite gradients do: the stop check after it reads that, with no collective of
+        its own. Every rank calls it at the same points."""
+        self._agreed = signal if self._agreed is None else max(self._agreed, signal)
 
     def _name_slow_ranks(self, step: int, times: list[float], median: float) -> None:
         slow = sorted((rank for rank, seconds in enumerate(times)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from perdure.checkpoints.base import Stateful
-from perdure.distributed.collectives import all_ranks
+from perdure.distributed.collectives import max_each_over_ranks
 from perdure.distributed.ddp import FixedLayoutDDP
 from perdure.distributed.process_group import init_process_group, local_device
 from perdure.errors import ConfigError
@@ -135,7 +135,7 @@ class TorchRunner(BaseRunner):
         if self.world_size > 1 and not isinstance(self.model, DistributedDataParallel):
             # DDP all-reduced the gradients, so every rank holds the same ones and decides alike without a collective
             # (an inf or NaN on one rank is in every rank's average); other wrappers' ranks hold their own part.
-            finite = all_ranks(finite)
+            finite = self.agree_finite(finite)
         if self.scaler is not None:
             if finite:
                 self.scaler.step(optimizer)
@@ -144,6 +144,14 @@ class TorchRunner(BaseRunner):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return finite or not self.config.skip_nonfinite_grad
+
+    def agree_finite(self, finite: bool) -> bool:
+        """Whether every rank's gradients are finite (`finite`: this rank's), agreed in one all-reduce that also
+        carries the preemption signal each rank holds, so the stop check after this step needs no collective of its
+        own. Called by `optimizer_step` on every rank at the same point when the ranks' gradients differ."""
+        not_finite, signal = max_each_over_ranks([0 if finite else 1, self.preemption.received or 0])
+        self.stragglers.agreed_at_this_step(signal)
+        return not not_finite
 
     def clip_and_check_gradients(self, parameters: list[torch.Tensor]) -> bool:
         """Called by `optimizer_step` after unscaling: take the gradient norm when it is due (`grad_norm_due`: kept

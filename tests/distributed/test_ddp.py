@@ -166,3 +166,22 @@ def test_sigterm_to_one_rank_in_an_evaluation_of_a_stream_stops_every_rank_there
     compare_with_reference(reference, root, tmp_path)
     rows = [(run_dir(path) / "metrics.csv").read_text().splitlines() for path in (reference, root)]
     assert [line for line in rows[0] if ",val," in line] == [line for line in rows[1] if ",val," in line]
+
+
+@pytest.mark.parametrize("stack", ["torch", "parallel"], ids=["ddp", "fsdp2"])
+def test_a_non_finite_step_on_one_rank_is_skipped_by_every_rank(tmp_path, stack):
+    """DDP averages a NaN of one rank into every rank's gradients, so each rank skips on its own (no collective);
+    FSDP2's ranks each check their own shards and agree in one all-reduce, which carries the stop signal too."""
+    root = tmp_path / "runs"
+    args = ("--stack", stack, "--steps", "6", "--ckpt.interval", "6", "--log.interval", "2")
+    results = run_ranks(2, "resumable.py", root, *args, "--dataset_size", "96", NAN_AT_STEP="3", NAN_RANK="1")
+    assert_all_ok(results)
+    for result in results:  # rank 0 computed finite gradients of its own: the skip was agreed
+        assert "non-finite gradients at step 3: optimizer step skipped (1 skipped so far)" in result.stdout
+    assert verify_checkpoint(latest_checkpoint(root))["global_step"] == 6
+    assert all(torch.isfinite(tensor).all() for tensor in final_weights(root).values())
+
+
+def latest_checkpoint(root):
+    checkpoints = run_dir(root) / "checkpoints"
+    return checkpoints / read_pointer(checkpoints, "latest")

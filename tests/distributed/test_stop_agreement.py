@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from perdure.distributed.collectives import max_each_over_ranks
 from perdure.runners import stragglers
 from tests.distributed.gloo_ranks import run_on_gloo_ranks
 
@@ -16,9 +17,12 @@ pytestmark = pytest.mark.timeout(120)
 SIGTERM = int(signal.SIGTERM)
 
 
-def agreed_at_each_check(rank: int, world_size: int, log_every: int, signal_at: int, slow_steps: bool) -> list[int]:
+def agreed_at_each_check(
+    rank: int, world_size: int, log_every: int, signal_at: int, slow_steps: bool, finite_check: bool = False
+) -> list[int]:
     """Ten steps; a log line every `log_every`; rank 1 holds SIGTERM from step `signal_at` on; the agreed signal at
-    each step's check."""
+    each step's check. `finite_check`: each step's ranks agree on their gradients first (the parallel stack's
+    `agree_finite`), in a collective that carries the signal."""
     if slow_steps:  # steps longer than the bound: every check agrees at once
         stragglers.PIPELINED_BELOW_S = 0.0
     watch = stragglers.StragglerWatch(rank, world_size)
@@ -26,6 +30,8 @@ def agreed_at_each_check(rank: int, world_size: int, log_every: int, signal_at: 
     agreed = []
     for step in range(1, 11):
         received = SIGTERM if rank == 1 and step >= signal_at else 0
+        if finite_check:
+            watch.agreed_at_this_step(max_each_over_ranks([0, received])[1])
         if step % log_every == 0:
             watch.exchange(received, step)
         agreed.append(watch.agreed_signal(received))
@@ -44,7 +50,7 @@ def test_short_steps_agree_one_check_late_and_every_rank_reads_the_same():
     assert first_stop(ranks[0]) == 6
     ranks = run_on_gloo_ranks(2, agreed_at_each_check, 4, 5, False)
     assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 6  # no log line at 5 or 6: read one check late
-    assert all(value == SIGTERM for value in ranks[0][5:])
+    assert ranks[0][5:8] == [SIGTERM] * 3  # steps 6-8 (the log line's exchange at 8 starts no check of its own)
 
 
 def test_before_the_first_log_line_and_with_long_steps_the_check_agrees_at_once():
@@ -52,3 +58,10 @@ def test_before_the_first_log_line_and_with_long_steps_the_check_agrees_at_once(
     assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 3
     ranks = run_on_gloo_ranks(2, agreed_at_each_check, 2, 5, True)
     assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 5
+
+
+def test_a_step_whose_ranks_agree_on_their_gradients_stops_at_once_with_short_steps():
+    """The finite-gradient agreement carries the signal: the stop check reads it in the same step, pipelined or not."""
+    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 2, 5, False, True)
+    assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 5
+    assert all(value == SIGTERM for value in ranks[0][4:])
