@@ -59,6 +59,9 @@ class TorchRunner(BaseRunner):
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
         self._found_inf: torch.Tensor | None = None  # buffers of the non-finite check, made at the first step
         self._unit_scale: torch.Tensor | None = None
+        # the gradients' layout, looked at the first step (per-parameter Python stays off the hot path, issue 37)
+        self._sharded_grads: bool | None = None
+        self._grads_on_one_device: bool | None = None
 
     def init_distributed(self) -> tuple[int, int]:
         return init_process_group(self.config.dist.backend, self.config.dist.timeout)
@@ -165,7 +168,11 @@ class TorchRunner(BaseRunner):
                 return bool(torch.isfinite(self.grad_norm))
         if self.config.skip_nonfinite_grad:
             grads = [p.grad for p in parameters if p.grad is not None]
-            return self._grads_finite([grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads])
+            if self._sharded_grads is None:  # the model's layout is fixed once training runs: looked at once
+                self._sharded_grads = any(isinstance(grad, DTensor) for grad in grads)
+            if self._sharded_grads:
+                grads = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+            return self._grads_finite(grads)
         return True
 
     def gradient_norm(self, parameters: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
@@ -186,7 +193,9 @@ class TorchRunner(BaseRunner):
         found, unit = self._found_inf, self._unit_scale
         assert unit is not None  # made with `_found_inf`
         device = found.device
-        if all(grad.device == device for grad in grads):
+        if self._grads_on_one_device is None:  # looked at once, as above
+            self._grads_on_one_device = all(grad.device == device for grad in grads)
+        if self._grads_on_one_device:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, unit)
         else:  # gradients on several devices (a model split by hand): one pass per device
             by_device: dict[torch.device, list[torch.Tensor]] = {}
