@@ -19,7 +19,7 @@ from perdure.checkpoints.hf_export import HF_META
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.snapshot import storage_key
 from perdure.checkpoints.source import RestoreSource
-from perdure.checkpoints.weights_read import check_weights_fit, in_model_layout, with_tied
+from perdure.checkpoints.weights_fit import check_weights_fit, in_model_layout, with_tied
 from perdure.config import RunnerConfig
 from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError, PerdureError
 from perdure.loggers.console import get_logger

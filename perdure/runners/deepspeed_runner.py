@@ -40,8 +40,8 @@ from perdure.checkpoints.deepspeed_engine import (
     read_streamed,
 )
 from perdure.checkpoints.module_state import as_module_state_dict
+from perdure.checkpoints.read import open_weight_slices
 from perdure.checkpoints.source import RestoreSource
-from perdure.checkpoints.weights_open import open_weight_slices
 from perdure.checkpoints.weights_slices import WeightSlices
 from perdure.distributed.deepspeed_env import check_precision, import_deepspeed
 from perdure.distributed.process_group import launched_world_size, select_backend

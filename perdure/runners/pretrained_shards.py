@@ -36,7 +36,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from perdure.checkpoints.hf_adapter import StateDictAdapter
 from perdure.checkpoints.state_pieces import made_by_hooks, own_tensors, state_pieces
-from perdure.checkpoints.weights_read import check_weights_fit
+from perdure.checkpoints.weights_fit import check_weights_fit
 from perdure.checkpoints.weights_slices import Region, WeightSlices, region_of
 from perdure.errors import PerdureError
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from perdure.checkpoints.weights_read import read_weights
+from perdure.checkpoints.read import read_weights
 from tests.deepspeed.conftest import TIMEOUT
 from tests.runs import assert_all_ok, assert_same_weights, built_once, read_rises, run_dir, run_ranks
 

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from perdure.checkpoints.hf_read import is_hf_source
-from perdure.checkpoints.read import read_weights as read_weights  # still imported from here by code changed elsewhere
 from perdure.errors import WeightsMisfitError
 
 MISMATCHES_SHOWN = 5  # the first few missing / unexpected / mis-shaped keys named in a refusal
