@@ -8,11 +8,17 @@ How the weights get there depends on where they live (the bytes and the director
                              `to_hf` and the config `hf_config()` returns
     parallel (FSDP2, TP, PP) every rank writes its own shards through torch DCP's `HuggingFaceStorageWriter`; rank 0
                              then consolidates them into the final files one tensor at a time. No rank gathers the
-                             model (the adapter's `to_hf` gets the state dict of DTensors, as TorchTitan's do)
-    DeepSpeed (ZeRO 1-3)     parameter by parameter: every rank gathers one fp32 parameter
-                             (`deepspeed.utils.safe_get_full_fp32_param`), rank 0 adds it to the shard file it
-                             belongs to and writes the file once full: at most one shard file and one parameter in
-                             memory. With an adapter, `to_hf` needs the whole state dict: rank 0 then holds it
+                             model (the adapter's `to_hf` gets the state dict of DTensors, as TorchTitan's do). A
+                             model whose state-dict hooks make tensors (a fused weight saved split, whole), without
+                             an adapter and a pipeline, is streamed instead (`module_source`, as `model.safetensors`):
+                             each DTensor gathered alone, what hooks make one hooked module at a time, rank 0
+                             appending each tensor to its file (`HFShardWriter`)
+    DeepSpeed (ZeRO 1-3)     tensor by tensor (`zero3_export.zero3_source`, as `model.pth`): every rank gathers one
+                             fp32 parameter (`deepspeed.utils.safe_get_full_fp32_param`), or one hooked module's state
+                             dict made through its hooks from its parameters gathered whole, rank 0 appends each tensor
+                             to the shard file it belongs to: at most one whole parameter (or one hooked module's
+                             state dict) in memory. With an adapter, `to_hf` needs the whole state dict: rank 0 then
+                             holds it
 
 Each checkpoint of such a run also holds `hf.json` (the config, generation config, which keys are tied, and the
 adapter's class), so `perdure ckpt export CKPT OUT --format hf` writes the same directory without the program.
@@ -23,7 +29,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from perdure.checkpoints.hf_export import (
     HFShardWriter,
+    TensorSpec,
     check_hf_config,
     is_hf_model,
     plan_shards,
@@ -41,10 +47,11 @@ from perdure.checkpoints.hf_export import (
     write_config,
     write_state_dict,
 )
+from perdure.checkpoints.state_pieces import made_by_hooks, own_tensors, state_pieces
 from perdure.distributed.collectives import all_gather_object, barrier, broadcast_object, is_distributed
 from perdure.errors import ConfigError
 from perdure.runners.compile import plain_name, uncompiled
-from perdure.runners.export import EXPORT_DTYPES, cast_weights
+from perdure.runners.export import EXPORT_DTYPES, StreamSource, cast_weights, module_source
 
 if TYPE_CHECKING:
     from perdure.runners.checkpointing import CheckpointingMixin
@@ -163,7 +170,13 @@ def _write_weights(runner: CheckpointingMixin, staging: Path, ema: bool) -> None
     dtype = EXPORT_DTYPES[runner.config.ckpt.export_dtype] if runner.config.ckpt.export_dtype else None
     if isinstance(runner, ParallelRunner):
         from perdure.checkpoints.module_state import module_state_dict
+        from perdure.runners.parallel_runner import _whole
 
+        parts = runner.model_parts
+        if not ema and adapter is None and runner.topology.pipeline == 1 and _hooks_make_tensors(parts):
+            tied = {key for part in parts for key in tied_keys(uncompiled(part))}
+            _stream(runner, module_source(parts, _whole), tied, staging, dtype)
+            return
         state: dict[str, Any] = {}
         if ema:
             assert runner.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
@@ -175,11 +188,21 @@ def _write_weights(runner: CheckpointingMixin, staging: Path, ema: bool) -> None
         _write_with_dcp(_distinct(state, every_rank=True), staging, dtype)
         return
     deepspeed = isinstance(runner, DeepSpeedRunner)
-    if deepspeed and not ema and adapter is None:
-        _stream(runner, staging, dtype)
-        return
     if deepspeed and not ema:
-        weights = dict(_deepspeed_tensors(runner))  # to_hf maps the whole state dict: gathered on the main process
+        from perdure.runners.zero3_export import zero3_source
+
+        module = runner.unwrap_model()  # the engine's module
+        source = zero3_source(module)
+        tied = set(tied_keys(uncompiled(module)))
+        if adapter is None:
+            _stream(runner, source, tied, staging, dtype)
+            return
+        weights = {}  # to_hf maps the whole state dict: gathered on the main process, one tensor at a time
+        for name in source.shapes:
+            if name not in tied:
+                tensor = source.whole(name)  # a collective: every rank takes every name
+                if runner.is_main_process:
+                    weights[name] = tensor.cpu()
     elif runner.is_main_process or deepspeed:  # a ZeRO-3 EMA gathers its partitions: every rank takes part
         from perdure.runners.compile import plain_state_dict
 
@@ -226,56 +249,33 @@ def _distinct(state: dict[str, Any], *, every_rank: bool = False) -> dict[str, A
     return {key: value for key, value in state.items() if key not in tied}
 
 
-def _deepspeed_tensors(runner: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full fp32 tensor) of the engine's module, one parameter at a time: a collective on every rank (each
-    yields only on the main process). Tied keys come once. fp32 is the optimizer's master copy, as in model.pth."""
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    module = uncompiled(runner.engine.module)
-    parameters = {id(p) for p in module.parameters()}
-    seen: set[int] = set()
-    for name, value in module.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor) or id(value) in seen:
-            continue
-        seen.add(id(value))
-        full = None
-        if id(value) in parameters:
-            full = safe_get_full_fp32_param(value) if value.requires_grad else None
-            if full is None:
-                with deepspeed.zero.GatheredParameters([value]):
-                    full = value.detach().clone() if runner.is_main_process else None
-        elif runner.is_main_process:
-            full = value.detach()
-        if runner.is_main_process:
-            assert full is not None  # the main process gathered or holds every tensor
-            yield name, full.cpu()
+def _hooks_make_tensors(parts: list[torch.nn.Module]) -> bool:
+    """Whether a state-dict hook of `parts` makes tensors the model does not hold (`checkpoints/state_pieces.py`):
+    each hooked module's state dict made once, one at a time (every rank calls this: a hook may gather)."""
+    owned = set().union(*(own_tensors(part) for part in parts))
+    for part in parts:
+        for piece in state_pieces(part):
+            if piece.hooked and made_by_hooks(piece, piece.state(keep_vars=True), owned):
+                return True
+    return False
 
 
-def _deepspeed_specs(runner: Any, dtype: torch.dtype | None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, full shape, dtype written) of what `_deepspeed_tensors` yields, in its order, known on every rank
-    without gathering anything (a ZeRO-3 partition knows its full shape)."""
-    module = uncompiled(runner.engine.module)
-    parameters = {id(p) for p in module.parameters()}
-    specs, seen = [], set()
-    for name, value in module.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor) or id(value) in seen:
-            continue
-        seen.add(id(value))
-        shape = value.ds_shape if hasattr(value, "ds_shape") else value.shape
-        kind = torch.float32 if id(value) in parameters and value.is_floating_point() else value.dtype
-        specs.append((name, tuple(shape), dtype if dtype is not None and kind.is_floating_point else kind))
-    return specs
-
-
-def _stream(runner: Any, staging: Path, dtype: torch.dtype | None) -> None:
-    """DeepSpeed without an adapter: each parameter gathered on every rank in turn and appended by the main process to
-    the safetensors file it belongs to (checkpoints/hf_export.py `HFShardWriter`): the main process holds one full
-    parameter at a time, never the model."""
-    writer = HFShardWriter(staging, _deepspeed_specs(runner, dtype)) if runner.is_main_process else None
-    for name, tensor in _deepspeed_tensors(runner):  # yields on the main process only; every rank gathers
-        assert writer is not None  # tensors are yielded on the main process only, which holds the writer
-        writer.add(name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor)
+def _stream(
+    runner: CheckpointingMixin, source: StreamSource, tied: set[str], staging: Path, dtype: torch.dtype | None
+) -> None:
+    """Every rank takes each tensor of `source` in turn (`whole`: a collective), `tied` keys left out as
+    `save_pretrained` does; the main process appends each to the safetensors file it belongs to (`HFShardWriter`),
+    cast to `dtype` if floating. The main process holds one whole tensor at a time, or one hooked module's state
+    dict (`source` makes them so), never the model."""
+    specs: list[TensorSpec] = []
+    for name, (kind, shape) in source.shapes.items():
+        if name not in tied:
+            specs.append((name, shape, dtype if dtype is not None and kind.is_floating_point else kind))
+    writer = HFShardWriter(staging, specs) if runner.is_main_process else None
+    for name, _, written in specs:
+        tensor = source.whole(name)
+        if writer is not None:
+            writer.add(name, tensor.detach().to("cpu", written))
         del tensor
     if writer is not None:
         writer.finish()

@@ -15,12 +15,15 @@ each hidden Linear saves its weight as two new tensors (its halves, cloned); eac
 and its hooks run before the next's. The export rose 3.6 and 3.6 MB; before, 78.1 and 2.0 MB (the whole weights
 gathered on rank 0, then the model's state dict made from them through every hook at once). Its values are the
 checkpoint's master weights as DeepSpeed's zero-to-fp32 routine reads them from the files, split as the hook splits
-them."""
+them. The Hugging Face export of the same launch (`hf/`, perdure/runners/hf_export.py) streams from the same source
+and holds model.pth's tensors bit for bit (before, it made the module's state dict on the partitions in one call:
+the hook split the empty partitions, and the export held an empty tensor for each half)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from perdure.checkpoints.deepspeed_engine import read_deepspeed_weights
 from tests.runs import assert_all_ok, read_rises, run_dir, run_ranks
@@ -48,9 +51,11 @@ def test_no_rank_holds_the_model_or_the_ema_while_it_saves_or_exports(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_what_hooks_make_is_exported_one_hooked_module_at_a_time(tmp_path):
+    """model.pth and the Hugging Face export (`hf/`) of a model whose hooks split each hidden weight in two."""
     args = [arg for arg in ARGS if arg not in ("--ema.enabled", "true")]
-    assert_all_ok(run_ranks(2, "zero_init_mlp.py", tmp_path / "runs", *args, SPLIT_STATE="1",
-                            EXPORT_RSS=tmp_path / "export-{rank}", MALLOC_MMAP_THRESHOLD_="131072"))  # fmt: skip
+    assert_all_ok(run_ranks(2, "zero_init_mlp.py", tmp_path / "runs", *args, "--ckpt.export_format", "pth,hf",
+                            SPLIT_STATE="1", HF_CONFIG="1", EXPORT_RSS=tmp_path / "export-{rank}",
+                            MALLOC_MMAP_THRESHOLD_="131072"))  # fmt: skip
     export = read_rises(tmp_path / "export-{rank}", 2)
     assert max(export) < MODEL_BYTES / 4, f"export rises {export}; model {MODEL_BYTES}"
     directory = run_dir(tmp_path / "runs")
@@ -61,3 +66,6 @@ def test_what_hooks_make_is_exported_one_hooked_module_at_a_time(tmp_path):
         expected[f"{index}.weight_top"], expected[f"{index}.weight_bottom"] = top, bottom
     assert set(exported) == set(expected)
     assert all(torch.equal(exported[key], expected[key]) for key in expected)
+    published = load_file(directory / "hf" / "model.safetensors")
+    assert set(published) == set(exported)
+    assert all(torch.equal(published[key], exported[key]) for key in exported)

@@ -6,13 +6,16 @@ reference, each hooked module's state dict made, used and dropped before the nex
 attention's whole `wq` / `wk` / `wv` at once (the whole state dict made in one call): here 28 MB of a 57 MB model.
 
 One 2-rank FSDP2 launch of tests/scripts/meta_llama.py (hooks on, attention-heavy: dim 384, 16 layers) starts from a
-safetensors file the test writes in the hooks' layout, trains one step and exports model.pth and model.safetensors.
+safetensors file the test writes in the hooks' layout, trains one step and exports model.pth, model.safetensors and
+the Hugging Face directory (hf/, without an adapter: streamed like model.safetensors, perdure/runners/hf_export.py).
 Each rank's resident memory rises, by less than half of what the hooks make for the whole model: while `--pretrained`
 is read into its shards (LOAD_RSS), from the model sharded to the runner built (the round-trip check: BUILT_RSS), during
 the export (EXPORT_RSS); every block of 128 KiB or more its own mapping (MALLOC_MMAP_THRESHOLD_: with
 glibc's defaults a freed block stays resident and hides a later rise). The weights the run starts from (gathered
 through the hooks) are the file's, bit for bit. Measured: the load rose 5.9 and 5.7 MB (before: 60.4 and 60.5 MB), the
-check 4.4 and 4.4 MB (before: 59.3 and 59.4 MB), the export 4.2 and 4.1 MB (before: 30.9 and 30.7 MB)."""
+check 4.4 and 4.4 MB (before: 59.3 and 59.4 MB), the export 4.2 and 4.1 MB (before: 30.9 and 30.7 MB); with hf/ in
+the same export 4.2 and 4.4 MB (before: 59.0 and 113.1 MB: the whole state dict made on every rank for DCP's Hugging
+Face writer); hf/model.safetensors holds model.pth's tensors."""
 
 from __future__ import annotations
 
@@ -54,8 +57,8 @@ def test_what_hooks_make_is_held_one_module_at_a_time(tmp_path):
     rss = {name: tmp_path / f"{name.lower()}-{{rank}}" for name in ("LOAD_RSS", "BUILT_RSS", "EXPORT_RSS")}
     assert_all_ok(run_ranks(2, "meta_llama.py", tmp_path / "runs", *MODEL, "--steps", "1",
                             "--pretrained", str(tmp_path / "weights.safetensors"),
-                            "--ckpt.export_format", "pth,safetensors", INITIAL_WEIGHTS=tmp_path / "initial.pt",
-                            **rss, **MMAP))  # fmt: skip
+                            "--ckpt.export_format", "pth,safetensors,hf", INITIAL_WEIGHTS=tmp_path / "initial.pt",
+                            HF_CONFIG="1", **rss, **MMAP))  # fmt: skip
     load, check, export = (read_rises(path, 2) for path in rss.values())
     assert max(load) < HOOK_MADE / 2, f"--pretrained rises {load}; the hooks make {HOOK_MADE}"
     assert max(check) < HOOK_MADE / 2, f"round-trip check rises {check}; the hooks make {HOOK_MADE}"
@@ -66,3 +69,4 @@ def test_what_hooks_make_is_held_one_module_at_a_time(tmp_path):
     exported = torch.load(directory / "model.pth", weights_only=True)
     assert {key: value.shape for key, value in exported.items()} == {key: value.shape for key, value in weights.items()}
     assert_same_weights(load_file(directory / "model.safetensors"), exported)
+    assert_same_weights(load_file(directory / "hf" / "model.safetensors"), exported)

@@ -19,6 +19,7 @@ Environment knobs (tests only):
                    export's start, when the peak is reset, over the resident memory then), "{rank}" replaced
   SETUP_ONLY       build the runner, write the above and stop (no training)
   HF_ADAPTER       the runner maps Hugging Face weights through examples/llama_hf.py's `LlamaStateDictAdapter`
+  HF_CONFIG        the runner gives a plain Hugging Face config (`hf_config()`), so `ckpt.export_format` may hold hf
   FUSED_STATE      the state dict holds each attention's fused `wqkv` as the model does: its hooks that split it into
                    whole `wq` / `wk` / `wv` (gathering it) and fuse them back are removed
 """
@@ -106,6 +107,9 @@ class TestRunner(llama.LlamaRunner):
         from llama_hf import LlamaStateDictAdapter  # examples/llama_hf.py
 
         return LlamaStateDictAdapter(self.config.model.heads)
+
+    def hf_config(self):
+        return {"model_type": "perdure-test-llama"} if os.environ.get("HF_CONFIG") else None
 
     def materialise_model(self, parts):
         super().materialise_model(parts)

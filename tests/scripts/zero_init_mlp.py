@@ -20,6 +20,7 @@ Environment knobs (tests only):
   SPLIT_STATE   each hidden Linear(width, width) saves its weight as two new tensors, `weight_top` and `weight_bottom`
                 (its rows split in half, cloned), in a state-dict post-hook, and a load pre-hook joins them back: what
                 a hook makes, as a fused QKV saved split
+  HF_CONFIG     the runner gives a plain Hugging Face config (`hf_config()`), so `ckpt.export_format` may hold hf
   --depth N     N more Linear(width, width) + ReLU after the first ReLU (resumable.py's key; default 0: none)
 
 Each rank prints how many parameter values it holds once the model is built.
@@ -67,6 +68,9 @@ class ZeroInitRunner(Runner):
         self.loss_log = os.environ.get("LOSS_LOG", "").replace("{rank}", str(self.rank))
         self.kill_at = int(os.environ.get("KILL_AT_STEP", "-1"))
         self._position, self._micro = None, 0
+
+    def hf_config(self):
+        return {"model_type": "perdure-test-mlp"} if os.environ.get("HF_CONFIG") else None
 
     def save_checkpoint(self, reason):
         return self._measured("CHECKPOINT_RSS", lambda: super(ZeroInitRunner, self).save_checkpoint(reason), True)
