@@ -44,7 +44,7 @@ from perdure.loggers.console import (
     get_logger,
     record_error,
 )
-from perdure.resilience.hang_watch import HangWatch
+from perdure.resilience.hang_watch import HangWatch, watched_phase
 from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.accumulation import AccumulationMixin
 from perdure.runners.attempt import AttemptMixin
@@ -55,7 +55,7 @@ from perdure.runners.data_setup import DataSetupMixin
 from perdure.runners.determinism import configure_determinism
 from perdure.runners.divergence import SkippedSteps
 from perdure.runners.ema import ExponentialMovingAverage
-from perdure.runners.evaluation import EvaluationMixin
+from perdure.runners.evaluation import EvaluationHooks, EvaluationStopped, Evaluator
 from perdure.runners.metrics import MetricsMixin
 from perdure.runners.optim import build_optimizer, build_scheduler
 from perdure.runners.param_coverage import check_parameter_coverage
@@ -86,7 +86,7 @@ class RunnerMeta(ABCMeta):
 
 
 class BaseRunner(
-    AttemptMixin, CheckpointingMixin, EvaluationMixin, MetricsMixin, DataSetupMixin, AccumulationMixin,
+    AttemptMixin, CheckpointingMixin, EvaluationHooks, MetricsMixin, DataSetupMixin, AccumulationMixin,
     metaclass=RunnerMeta,
 ):  # fmt: skip
     """The training lifecycle shared by every stack. Subclass a stack (or `Runner`), not this class."""
@@ -97,6 +97,9 @@ class BaseRunner(
 
     # Its fields (config, state, model, checkpoints, telemetry, ...) are declared, typed, in `RunnerFields`
     # (runners/fields.py), the root its parts share; `__init__` sets them.
+
+    # ---- components, each built with what it reads, passed explicitly --------------------------------------------
+    evaluator: Evaluator  # `__post_init__`: evaluation loops, results and the best score (runners/evaluation.py)
 
     def __init__(self, config: RunnerConfig) -> None:
         if not isinstance(config, RunnerConfig):
@@ -181,6 +184,19 @@ class BaseRunner(
     def __post_init__(self) -> None:
         """Called once after the user's `__init__`: fill in defaults, place the model, build loaders, restore."""
         self.telemetry.goodput.model_built()
+        # Built once every `__init__` has run (the TorchFT layer replaces `telemetry` in its own); the loaders it
+        # reads are filled in below by `build_dataloaders`.
+        self.evaluator = Evaluator(
+            self,
+            config=self.config,
+            state=self.state,
+            dataloaders=self.dataloaders,
+            world_size=self.world_size,
+            preemption=self.preemption,
+            telemetry=self.telemetry,
+            meter=self.meter,
+            logger=self.logger,
+        )
         if self.model is None:
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.model before it returns")
         self._check_checkpointed()
@@ -552,13 +568,41 @@ class BaseRunner(
         an improved score is saved too (`ckpt.save_best`), so `best` always names a checkpoint."""
         cadence = self.cadence
         self.is_best = False
-        if count % cadence.eval_every == 0 and self._eval_splits() and not self._evaluate_and_score():
+        if count % cadence.eval_every == 0 and self.evaluator.splits() and not self._evaluate_and_score():
             return  # a preemption signal stopped the evaluation: the loop saves this position and exits
         if self.save_schedule.due(count):
             self.save_schedule.plan()  # ckpt.interval auto: the next save's step, kept in this checkpoint
             self.save_checkpoint("interval")
         elif self.is_best and cadence.save_best:
             self.save_checkpoint("best")
+
+    @watched_phase("evaluation")  # not a step: dist.step_timeout does not count it
+    def _evaluate_and_score(self) -> bool:
+        """The loop's evaluation of every split (`Evaluator.evaluate_and_score`: kept, logged, scored; an improved
+        score sets `is_best`); returns True. False when a preemption signal stopped it (nothing of it is kept, the
+        position's evaluation is pending, `stop_signal` is set): the caller then saves this position and exits."""
+        try:
+            if self.evaluator.evaluate_and_score():
+                self.is_best = True
+        except EvaluationStopped as stopped:
+            if stopped.signal:  # agreed by the evaluation itself (an iterable split), not by `stop_requested`
+                self.stop_signal = stopped.signal
+            return False
+        return True
+
+    def _evaluate_pending(self) -> None:
+        """The attempt starts from a position whose evaluation a preemption signal stopped: run it now, as the
+        uninterrupted run did right after that step. The position is saved already (a position is never saved twice),
+        so an improved score points `best` at that checkpoint."""
+        if not self.evaluator.splits():  # this attempt has no evaluation splits: nothing to run
+            self.state.evaluation_pending = False
+            return
+        self.logger.info("evaluating step %d, which the last attempt was stopped in", self.state.global_step)
+        self.is_best = False
+        if not self._evaluate_and_score():
+            self._stop_for_preemption()
+        if self.is_best and self.config.ckpt.enabled:
+            self.checkpoints.point_best(self._position_name())
 
     def stop_requested(self) -> bool:
         """Called after every optimizer step, and before each batch of the loop's evaluations (as many as every rank
@@ -574,7 +618,7 @@ class BaseRunner(
         """Training is over (budget or early stop): final checkpoint, drain, export."""
         self._ending = True
         evaluated = str(self.state.global_step) in self.state.results
-        if self.config.training_mode() == "steps" and self._eval_splits() and not evaluated:
+        if self.config.training_mode() == "steps" and self.evaluator.splits() and not evaluated:
             self.is_best = False
             if not self._evaluate_and_score():
                 self._stop_for_preemption()

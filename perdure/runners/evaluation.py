@@ -1,44 +1,62 @@
-"""Evaluation and scoring: the part of the runner that measures, keeps every result and tracks the best score."""
+"""Evaluation and scoring: the runner's evaluation override points, and the `Evaluator` it owns, which measures,
+keeps every result and tracks the best score.
+
+    EvaluationHooks   the override points, on the runner (`BaseRunner` inherits them): `evaluate`, `eval_batches`,
+                      `evaluate_steps`, `evaluation_context`, `evaluates_in_lockstep`, `reduce_metrics`, `infer`
+                      (`evaluate_step` and `infer_step` are with the other user override points, in runners/base.py)
+    Evaluator         the loops and the score: built by `BaseRunner.__post_init__` with what it reads, passed
+                      explicitly (config, state, loaders, world size, preemption handler, telemetry, throughput
+                      meter, logger), and the runner as the `EvaluationHooks` it calls back; nothing else of the
+                      runner. The training loop calls `evaluate_and_score` (`BaseRunner._evaluate_and_score`).
+"""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from perdure.data.loader import ResumableLoader
 from perdure.distributed.collectives import all_gather_object, max_each_over_ranks, max_over_ranks, sum_over_ranks
 from perdure.errors import PerdureError
-from perdure.resilience.hang_watch import watched_phase
 from perdure.runners.fields import RunnerFields
 from perdure.runners.rng import RNGState
+
+if TYPE_CHECKING:
+    from perdure.config import RunnerConfig
+    from perdure.resilience.signals import PreemptionHandler
+    from perdure.runners.state import RunnerState
+    from perdure.runners.telemetry import RunTelemetry
+    from perdure.runners.throughput import ThroughputMeter
 
 _NO_BATCH = object()  # an iterator's end, as `next(iterator, _NO_BATCH)` says it
 
 
 class EvaluationStopped(Exception):
-    """A preemption signal stopped a training evaluation before batch `batch` of `split` (on every rank alike)."""
+    """A preemption signal stopped a training evaluation before batch `batch` of `split` (on every rank alike).
 
-    def __init__(self, split: str, batch: int) -> None:
+    `signal`: the signal the ranks agreed on while reading an iterable split batch by batch; 0 when the runner's
+    `stop_requested` agreed it (and recorded it already)."""
+
+    def __init__(self, split: str, batch: int, signal: int = 0) -> None:
         super().__init__(f"evaluation stopped before batch {batch} of {split!r} by a preemption signal")
         self.split = split
         self.batch = batch
+        self.signal = signal
 
 
-class EvaluationMixin(RunnerFields):
-    """Evaluation loops, results history, best score and early stopping, and an evaluation a preemption signal stops.
-    Part of `BaseRunner` (one concept per file); it uses the runner's `config`, `state`, `model`, `dataloaders`,
-    `autocast`, `evaluate_step`, `stop_requested`, `checkpoints` and `_stop_for_preemption`."""
+class EvaluationHooks(RunnerFields):
+    """The evaluation override points, with their defaults: `BaseRunner` inherits them, user runners and the stacks
+    override them on the runner (as a LightningModule inherits its hook classes). They hold no state; the loops are
+    the `Evaluator`'s (`self.evaluator`, built by `BaseRunner.__post_init__`), which calls them back."""
 
-    _evaluation_stops_on_signal = False  # set while the training loop evaluates (`_evaluate_and_score`)
-
-    def _eval_splits(self) -> list[str]:
-        return [split for split in self.dataloaders if split != "train"]
+    evaluator: Evaluator  # built by `BaseRunner.__post_init__`
 
     def evaluation_context(self) -> AbstractContextManager:
         """Override point: the autograd mode `evaluate_steps` and `infer` run the model in; default `torch.no_grad()`.
@@ -64,7 +82,7 @@ class EvaluationMixin(RunnerFields):
 
     def evaluate(self, splits: list[str] | None = None) -> dict[str, dict[str, float]]:
         """Evaluate each split (default: every split but train) on its first `eval_batches(split)` batches."""
-        splits = splits or self._eval_splits()
+        splits = splits or self.evaluator.splits()
         return {split: self.evaluate_steps(split, self.eval_batches(split)) for split in splits}
 
     def eval_batches(self, split: str) -> int | None:
@@ -84,13 +102,63 @@ class EvaluationMixin(RunnerFields):
         iterable split reads `steps` batches on each rank.
 
         An evaluation the training loop runs stops at the next batch once a preemption signal arrives (every rank at
-        the same batch, see `_batches_checked_for_stop`): it raises `EvaluationStopped`, and the loop saves the step.
+        the same batch, see `Evaluator._batches_checked_for_stop`): it raises `EvaluationStopped`, and the loop saves
+        the step. The loops are the Evaluator's (runners/evaluation.py).
         """
+        return self.evaluator.evaluate_steps(split, steps)
+
+    def reduce_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
+        """Turn weighted sums into means, after summing `totals` and `count` over every rank (each evaluates its own
+        share of the split, uneven shares included)."""
+        names = list(totals)  # evaluate_step's order, the same on every rank
+        *sums, samples = sum_over_ranks([totals[name] for name in names] + [float(count)])
+        return {name: total / max(samples, 1) for name, total in zip(names, sums)}
+
+    def infer(self, split: str) -> torch.Tensor:
+        """Concatenated `infer_step` outputs over a whole split, in order (the Evaluator's loop)."""
+        return self.evaluator.infer(split)
+
+
+class Evaluator:
+    """Evaluation loops, results history, best score and early stopping, and an evaluation a preemption signal
+    stops. Owned by the runner (`runner.evaluator`); see the module docstring for what it is built with."""
+
+    def __init__(
+        self,
+        hooks: EvaluationHooks,
+        *,
+        config: RunnerConfig,
+        state: RunnerState,
+        dataloaders: Mapping[str, ResumableLoader],
+        world_size: int,
+        preemption: PreemptionHandler,
+        telemetry: RunTelemetry,
+        meter: ThroughputMeter,
+        logger: logging.Logger,
+    ) -> None:
+        self.hooks = hooks
+        self.config = config
+        self.state = state  # results, best score, patience, `evaluation_pending`: written by `evaluate_and_score`
+        self.dataloaders = dataloaders  # the runner's, filled by `build_dataloaders` after the Evaluator is built
+        self.world_size = world_size
+        self.preemption = preemption
+        self.telemetry = telemetry  # a heartbeat per batch; an evaluation's time is counted as blocked
+        self.meter = meter  # an evaluation's time is kept out of the train log lines' step_time
+        self.logger = logger
+        self.stops_on_signal = False  # set while the training loop evaluates (`evaluate_and_score`)
+
+    def splits(self) -> list[str]:
+        """The splits an evaluation reads by default: every split but train."""
+        return [split for split in self.dataloaders if split != "train"]
+
+    def evaluate_steps(self, split: str, steps: int | None) -> dict[str, float]:
+        """`runner.evaluate_steps` (documented there): average `evaluate_step` over the first `steps` batches."""
+        hooks = self.hooks
         loader = self.dataloaders[split]
-        lockstep = self.evaluates_in_lockstep()
+        lockstep = hooks.evaluates_in_lockstep()
         if lockstep and not loader.is_iterable:
             steps = self._batches_every_rank_reads(loader, steps)
-        model = self.model
+        model = hooks.model
         was_training = model.training
         model.eval()
         totals: dict[str, float] = {}
@@ -102,14 +170,14 @@ class EvaluationMixin(RunnerFields):
         if loader.is_iterable and self.world_size > 1:
             batches, checked = self._agreed_batches(batches, split, lockstep), 0
         else:
-            checked = self._batches_checked_for_stop(loader, limit) if self._evaluation_stops_on_signal else 0
+            checked = self._batches_checked_for_stop(loader, limit) if self.stops_on_signal else 0
         try:
-            with self.evaluation_context():
+            with hooks.evaluation_context():
                 for index, batch in enumerate(batches):
-                    if index < checked and self.stop_requested():
+                    if index < checked and hooks.stop_requested():
                         raise EvaluationStopped(split, index)
-                    with self.autocast():
-                        metrics = self.evaluate_step(batch)
+                    with hooks.autocast():
+                        metrics = hooks.evaluate_step(batch)
                     weight = loader.take_samples(1)
                     for name, value in metrics.items():
                         totals[name] = totals.get(name, 0.0) + float(value) * weight
@@ -117,7 +185,7 @@ class EvaluationMixin(RunnerFields):
                     self.telemetry.alive()
         finally:
             model.train(was_training)
-        return self.reduce_metrics(totals, count)
+        return hooks.reduce_metrics(totals, count)
 
     def _batches_every_rank_reads(self, loader: ResumableLoader, steps: int | None) -> int | None:
         """`steps` for `evaluate_steps` on a map-style split (all ranks together) such that every data rank reads the
@@ -136,11 +204,10 @@ class EvaluationMixin(RunnerFields):
         for index in itertools.count():
             batch = next(batches, _NO_BATCH)
             has_batch = batch is not _NO_BATCH
-            received = (self.preemption.received or 0) if self._evaluation_stops_on_signal else 0
+            received = (self.preemption.received or 0) if self.stops_on_signal else 0
             signum, any_has, any_lacks = max_each_over_ranks([received, int(has_batch), int(not has_batch)])
             if signum:
-                self.stop_signal = signum
-                raise EvaluationStopped(split, index)
+                raise EvaluationStopped(split, index, signal=signum)
             if not any_has or (lockstep and any_lacks):
                 return
             if has_batch:
@@ -155,17 +222,11 @@ class EvaluationMixin(RunnerFields):
             return sys.maxsize
         return -max_over_ranks(-loader.batch_count(limit))
 
-    def reduce_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
-        """Turn weighted sums into means, after summing `totals` and `count` over every rank (each evaluates its own
-        share of the split, uneven shares included)."""
-        names = list(totals)  # evaluate_step's order, the same on every rank
-        *sums, samples = sum_over_ranks([totals[name] for name in names] + [float(count)])
-        return {name: total / max(samples, 1) for name, total in zip(names, sums)}
-
     def infer(self, split: str) -> torch.Tensor:
-        """Concatenated `infer_step` outputs over a whole split, in order."""
+        """`runner.infer` (documented there): concatenated `infer_step` outputs over a whole split, in order."""
+        hooks = self.hooks
         loader = self.dataloaders[split]
-        if self.evaluates_in_lockstep():
+        if hooks.evaluates_in_lockstep():
             counts = all_gather_object(_batches_known(loader))
             if None in counts:
                 raise PerdureError(
@@ -179,31 +240,31 @@ class EvaluationMixin(RunnerFields):
                     "forward on every data rank together; use a split the data ranks divide evenly, or infer on one "
                     "process from the exported model.pth"
                 )
-        model = self.model
+        model = hooks.model
         was_training = model.training
         model.eval()
         outputs = []
-        with self.evaluation_context():
+        with hooks.evaluation_context():
             for batch in loader.iter_epoch(0):
-                with self.autocast():
-                    outputs.append(self.infer_step(batch))
+                with hooks.autocast():
+                    outputs.append(hooks.infer_step(batch))
         model.train(was_training)
         return torch.cat(outputs)
 
-    @watched_phase("evaluation")  # not a step: dist.step_timeout does not count it
-    def _evaluate_and_score(self) -> bool:
-        """The training loop's evaluation of every split: its results are kept, logged and scored; returns True.
+    def evaluate_and_score(self) -> bool:
+        """The training loop's evaluation of every split (`runner.evaluate()`): its results are kept, logged and
+        scored; returns whether the score improved.
 
-        A preemption signal stops it (see `evaluate_steps`): nothing of it is kept, the random generators go back to
-        where they stood before it (so the one run again later draws what this one would have), the state records
-        that this position's evaluation is still to run (`evaluation_pending`: the next attempt runs it first), and
-        it returns False; the caller then saves this position and exits.
+        A preemption signal stops it (see `runner.evaluate_steps`): nothing of it is kept, the random generators go
+        back to where they stood before it (so the one run again later draws what this one would have), the state
+        records that this position's evaluation is still to run (`evaluation_pending`: the next attempt runs it
+        first), and `EvaluationStopped` is raised; the runner then saves this position and exits.
         """
         started = time.perf_counter()
         generators = RNGState().state_dict()
-        self._evaluation_stops_on_signal = True
+        self.stops_on_signal = True
         try:
-            results = self.evaluate()
+            results = self.hooks.evaluate()
         except EvaluationStopped as stopped:
             RNGState().load_state_dict(generators)
             self.state.evaluation_pending = True
@@ -213,45 +274,30 @@ class EvaluationMixin(RunnerFields):
                 stopped.batch,
                 stopped.split,
             )
-            return False
+            raise
         finally:
-            self._evaluation_stops_on_signal = False
+            self.stops_on_signal = False
             self.meter.exclude(time.perf_counter() - started)  # not training time: kept out of step_time
             self.telemetry.goodput.blocked("evaluation", time.perf_counter() - started)
         self.state.evaluation_pending = False
         self.state.results[str(self.state.global_step)] = results
         for split, metrics in results.items():
-            self.log_metrics(split, metrics)
-        self._update_score(results)
-        return True
+            self.hooks.log_metrics(split, metrics)
+        return self._update_score(results)
 
-    def _evaluate_pending(self) -> None:
-        """The attempt starts from a position whose evaluation a preemption signal stopped: run it now, as the
-        uninterrupted run did right after that step. The position is saved already (a position is never saved twice),
-        so an improved score points `best` at that checkpoint."""
-        if not self._eval_splits():  # this attempt has no evaluation splits: nothing to run
-            self.state.evaluation_pending = False
-            return
-        self.logger.info("evaluating step %d, which the last attempt was stopped in", self.state.global_step)
-        self.is_best = False
-        if not self._evaluate_and_score():
-            self._stop_for_preemption()
-        if self.is_best and self.config.ckpt.enabled:
-            self.checkpoints.point_best(self._position_name())
-
-    def _update_score(self, results: Mapping[str, Mapping[str, float]]) -> None:
+    def _update_score(self, results: Mapping[str, Mapping[str, float]]) -> bool:
+        """Track the best score and early stopping; True when `results` improved the score."""
         score_config = self.config.score
         score = results.get(score_config.split, {}).get(score_config.metric)
         if score is None:
-            return
+            return False
         best = self.state.best_score
         improved = best is None or (score < best if score_config.mode == "min" else score > best)
         if improved:
             self.state.best_score = float(score)
             self.state.best_step = self.state.global_step
             self.state.patience_count = 0
-            self.is_best = True
-            return
+            return True
         self.state.patience_count += 1
         if score_config.patience and self.state.patience_count >= score_config.patience:
             self.state.early_stopped = True
@@ -264,6 +310,7 @@ class EvaluationMixin(RunnerFields):
                 self.state.best_score,
                 self.state.best_step,
             )
+        return False
 
 
 def _batches_known(loader: ResumableLoader) -> int | None:
