@@ -135,19 +135,20 @@ HOOKED_MODEL_BYTES += 4 * (2 * HOOKED_WIDTH + 2)
 
 
 def split_weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(random weights in the layout SPLIT_STATE's hooks save: each hidden Linear's weight as `weight_top` and
-    `weight_bottom`; the same weights keyed by parameter, the halves joined): the file, and what loading it whole
-    gives."""
+    """(random weights in the layout SPLIT_STATE's and RENAME_STATE's hooks save: each hidden Linear's weight as
+    `weight_top` and `weight_bottom`, the next Linear's as `kernel`; the same weights keyed by parameter, the halves
+    joined): the file, and what loading it whole gives."""
     width, generator = HOOKED_WIDTH, torch.Generator().manual_seed(0)
     shapes = {"0.weight": (width, 16), "0.bias": (width,)}
     for index in range(2, 2 * HOOKED_DEPTH + 2, 2):  # the hidden Linears (nn.Sequential's items 2, 4, ...)
         shapes.update({f"{index}.weight_top": (width // 2, width), f"{index}.weight_bottom": (width // 2, width)})
         shapes[f"{index}.bias"] = (width,)
     last = 2 * HOOKED_DEPTH + 2
-    shapes.update({f"{last}.weight": (width, width), f"{last}.bias": (width,)})
+    shapes.update({f"{last}.kernel": (width, width), f"{last}.bias": (width,)})
     shapes.update({f"{last + 2}.weight": (2, width), f"{last + 2}.bias": (2,)})
     saved = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
-    whole = {name: tensor for name, tensor in saved.items() if not name.endswith(("_top", "_bottom"))}
+    whole = {name: tensor for name, tensor in saved.items() if not name.endswith(("_top", "_bottom", "kernel"))}
+    whole[f"{last}.weight"] = saved[f"{last}.kernel"]
     for index in range(2, 2 * HOOKED_DEPTH + 2, 2):
         whole[f"{index}.weight"] = torch.cat([saved[f"{index}.weight_top"], saved[f"{index}.weight_bottom"]])
     return saved, whole
@@ -155,11 +156,12 @@ def split_weights() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 
 @pytest.mark.timeout(300)
 def test_weights_a_hook_splits_load_into_partitions_one_hooked_module_at_a_time(tmp_path):
-    """SPLIT_STATE's 24 hidden Linears save their weight split in two new tensors and join them back in a load hook.
-    Each hooked Linear's parameters are gathered whole for its hooks (names and shapes checked, then loaded through
-    them), one at a time; the model starts from the file's weights joined, bit for bit (module and master copy), and a
-    rank's resident memory rises by far less than the model while it loads (LOAD_RSS). Before, the hooks ran on the
-    empty partitions and the load was refused."""
+    """SPLIT_STATE's 24 hidden Linears save their weight split in two new tensors and join them back in a load hook;
+    RENAME_STATE's next Linear saves its weight as `kernel` (a hook that makes no tensor: each rank reads its
+    partitions under that name). Each hooked Linear's parameters are gathered whole for its hooks (names and shapes
+    checked, then loaded through them), one at a time; the model starts from the file's weights joined, bit for bit
+    (module and master copy), and a rank's resident memory rises by far less than the model while it loads (LOAD_RSS).
+    Before, the hooks ran on the empty partitions and the load was refused."""
     saved, whole = split_weights()
     assert sum(tensor.nbytes for tensor in saved.values()) == HOOKED_MODEL_BYTES
     source = tmp_path / "weights.safetensors"
@@ -167,8 +169,9 @@ def test_weights_a_hook_splits_load_into_partitions_one_hooked_module_at_a_time(
     args = ("--steps", "1", "--dataset_size", "8", "--dataloader.batch_size", "4", "--dist.timeout", "60", *ZERO3)
     args += ("--width", str(HOOKED_WIDTH), "--depth", str(HOOKED_DEPTH))
     results = run_ranks(2, "zero_init_mlp.py", tmp_path / "runs", *args, "--pretrained", str(source), SETUP_ONLY="1",
-                        SPLIT_STATE="1", INITIAL_WEIGHTS=tmp_path / "initial.pt", LOAD_RSS=tmp_path / "load-{rank}",
-                        MALLOC_MMAP_THRESHOLD_="131072", timeout=TIMEOUT)  # fmt: skip
+                        SPLIT_STATE="1", RENAME_STATE="1", INITIAL_WEIGHTS=tmp_path / "initial.pt",
+                        LOAD_RSS=tmp_path / "load-{rank}", MALLOC_MMAP_THRESHOLD_="131072",
+                        timeout=TIMEOUT)  # fmt: skip
     assert_all_ok(results)
     initial = torch.load(tmp_path / "initial.pt", weights_only=True)
     assert_same_weights(whole, initial["weights"])

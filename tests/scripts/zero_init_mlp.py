@@ -20,6 +20,9 @@ Environment knobs (tests only):
   SPLIT_STATE   each hidden Linear(width, width) saves its weight as two new tensors, `weight_top` and `weight_bottom`
                 (its rows split in half, cloned), in a state-dict post-hook, and a load pre-hook joins them back: what
                 a hook makes, as a fused QKV saved split
+  RENAME_STATE  the Linear(width, width) after the hidden ones saves its weight under another name, `kernel`: the
+                parameter itself, renamed by a state-dict post-hook (a load pre-hook names it back), a hook that makes
+                no tensor (as a Hugging Face style renaming)
   HF_CONFIG     the runner gives a plain Hugging Face config (`hf_config()`), so `ckpt.export_format` may hold hf
   --depth N     N more Linear(width, width) + ReLU after the first ReLU (resumable.py's key; default 0: none)
 
@@ -61,6 +64,9 @@ class ZeroInitRunner(Runner):
                 if isinstance(layer, nn.Linear):
                     layer.register_state_dict_post_hook(split_weight)
                     layer.register_load_state_dict_pre_hook(join_weight)
+        if os.environ.get("RENAME_STATE"):
+            self.model[-3].register_state_dict_post_hook(rename_weight)
+            self.model[-3].register_load_state_dict_pre_hook(name_weight_back)
         held = sum(parameter.numel() for parameter in self.model.parameters())
         print(f"rank {self.rank} holds {held} parameter values once the model is built", flush=True)
         self.criterion = nn.CrossEntropyLoss()
@@ -118,6 +124,15 @@ def join_weight(module, state_dict, prefix, *args):
     halves = [f"{prefix}weight_top", f"{prefix}weight_bottom"]
     if all(key in state_dict for key in halves):
         state_dict[f"{prefix}weight"] = torch.cat([state_dict.pop(key) for key in halves])
+
+
+def rename_weight(module, state_dict, prefix, local_metadata):
+    state_dict[f"{prefix}kernel"] = state_dict.pop(f"{prefix}weight")
+
+
+def name_weight_back(module, state_dict, prefix, *args):
+    if f"{prefix}kernel" in state_dict:
+        state_dict[f"{prefix}weight"] = state_dict.pop(f"{prefix}kernel")
 
 
 def initial_weights(runner):
