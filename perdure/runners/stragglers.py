@@ -19,8 +19,10 @@ min, median and max time per step.
 The stop check between log lines costs no wait once the steps are known to be short. A blocking all-reduce after
 every step would make every rank wait for the slowest one more time per step than the training itself does (and, on
 NCCL, wait for the GPU). So the check runs on host tensors (a gloo group) and, when the slowest rank's wall time per
-step at the last log line was under `PIPELINED_BELOW_S`, it is started after one step and read after the next: every
-rank still stops at the same step, one step after the signal instead of at once. Longer steps (and the steps before
+step at the last log line was under `PIPELINED_BELOW_S`, it is started after one step and read at the next check:
+every rank still stops at the same step, shortly after the signal instead of at once. Steps much shorter than
+`CHECK_PERIOD_S` are checked every so many steps (as many as take that long), so that tiny steps do not pay a
+collective each. Longer steps (and the steps before
 the first log line) agree at once, so that a stop never waits a long step for it.
 """
 
@@ -44,6 +46,7 @@ MAX_NAMED = 4  # the slowest ranks a warning names at most
 NO_TIME = -1.0  # a slot no rank filled (an all-reduce MAX keeps the one rank's own time)
 NOT_TIMED: AbstractContextManager[None] = nullcontext()  # one rank: nothing to compare (reusable)
 PIPELINED_BELOW_S = 1.0  # steps this short agree on a stop one step late, for no wait per step
+CHECK_PERIOD_S = 0.1  # pipelined, a stop check at most every this many seconds of steps (at least every step)
 
 logger = logging.getLogger("perdure")
 
@@ -61,6 +64,8 @@ class StragglerWatch:
         self._last_step: int | None = None
         self._agreed: int | None = None  # the signal agreed at this step's log line, for the stop check after it
         self._pipelined = False  # agreed at each log line: the stop check is read one step after it is started
+        self.check_every = 1  # pipelined: the checks that start a collective, one in so many (agreed at log lines)
+        self._checks = 0
         self._pending: PendingMax | None = None  # the stop check started at the last check, pipelined
         self._group: dist.ProcessGroup | None = None  # host tensors' group (made at the first check)
         self._group_made = False
@@ -115,7 +120,9 @@ class StragglerWatch:
         slots[0], slots[1], slots[2 + self.rank] = float(signal), wall, own if steps > 0 else NO_TIME
         reduced = max_each_of_floats(slots)
         self.agreed_at_this_step(int(reduced[0]))
-        self._pipelined = 0 <= reduced[1] < PIPELINED_BELOW_S  # the slowest rank's wall time per step
+        wall = reduced[1]  # the slowest rank's wall time per step, the same on every rank
+        self._pipelined = 0 <= wall < PIPELINED_BELOW_S
+        self.check_every = max(1, int(CHECK_PERIOD_S / wall)) if self._pipelined and wall > 0 else 1
         times = reduced[2:]
         if any(seconds < 0 for seconds in times):  # a rank without a step since the last line
             return {}
@@ -130,13 +137,19 @@ class StragglerWatch:
         previous check. The same value on every rank."""
         if not self._group_made:
             self._group, self._group_made = host_group(), True
+        if self._agreed is not None:  # a collective of this step agreed already: none of its own
+            agreed, self._agreed = self._agreed, None
+            if self._pending is not None:
+                agreed, self._pending = max(agreed, self._pending.result()[0]), None
+            return agreed
+        if self._pipelined:
+            self._checks += 1
+            if self._checks % self.check_every:  # not a check that starts a collective: the pending one waits
+                return 0
         agreed = 0
         if self._pending is not None:
             agreed, self._pending = self._pending.result()[0], None
-        if self._agreed is not None:  # a collective of this step agreed already: none of its own
-            agreed, self._agreed = max(agreed, self._agreed), None
-            return agreed
-        if self._pipelined:  # what this rank holds now is read at the next check
+        if self._pipelined:  # what this rank holds now is read at the next check that starts one
             self._pending = PendingMax([received], self._group)
             return agreed
         return max(agreed, PendingMax([received], self._group).result()[0])

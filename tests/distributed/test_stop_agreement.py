@@ -5,6 +5,7 @@ a log line's exchange agrees at once whatever the mode. Two real gloo ranks; ran
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -18,28 +19,40 @@ SIGTERM = int(signal.SIGTERM)
 
 
 def agreed_at_each_check(
-    rank: int, world_size: int, log_every: int, signal_at: int, slow_steps: bool, finite_check: bool = False
+    rank: int,
+    world_size: int,
+    log_every: int,
+    signal_at: int,
+    slow_steps: bool,
+    finite_check: bool = False,
+    step_seconds: float = 0.0,
+    steps: int = 10,
+    period: float = 0.0,
 ) -> list[int]:
-    """Ten steps; a log line every `log_every`; rank 1 holds SIGTERM from step `signal_at` on; the agreed signal at
-    each step's check. `finite_check`: each step's ranks agree on their gradients first (the parallel stack's
-    `agree_finite`), in a collective that carries the signal."""
+    """`steps` steps of `step_seconds`; a log line every `log_every`; rank 1 holds SIGTERM from step `signal_at`
+    on; the agreed signal at each step's check, then the checks' period set by the first log line. `finite_check`: each step's ranks agree on
+    their gradients first (the parallel stack's `agree_finite`), in a collective that carries the signal. Steps of
+    no time check every step; `period` sets how often pipelined checks start a collective."""
     if slow_steps:  # steps longer than the bound: every check agrees at once
         stragglers.PIPELINED_BELOW_S = 0.0
+    stragglers.CHECK_PERIOD_S = period
     watch = stragglers.StragglerWatch(rank, world_size)
     watch.start(0)
-    agreed = []
-    for step in range(1, 11):
+    agreed, periods = [], []
+    for step in range(1, steps + 1):
+        time.sleep(step_seconds)
         received = SIGTERM if rank == 1 and step >= signal_at else 0
         if finite_check:
             watch.agreed_at_this_step(max_each_over_ranks([0, received])[1])
         if step % log_every == 0:
             watch.exchange(received, step)
+            periods.append(watch.check_every)
         agreed.append(watch.agreed_signal(received))
-    return agreed
+    return [*agreed, periods[0]]
 
 
 def first_stop(agreed: list[int]) -> int:
-    return next(step for step, value in enumerate(agreed, start=1) if value)
+    return next(step for step, value in enumerate(agreed[:-1], start=1) if value)
 
 
 def test_short_steps_agree_one_check_late_and_every_rank_reads_the_same():
@@ -64,4 +77,15 @@ def test_a_step_whose_ranks_agree_on_their_gradients_stops_at_once_with_short_st
     """The finite-gradient agreement carries the signal: the stop check reads it in the same step, pipelined or not."""
     ranks = run_on_gloo_ranks(2, agreed_at_each_check, 2, 5, False, True)
     assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 5
-    assert all(value == SIGTERM for value in ranks[0][4:])
+    assert all(value == SIGTERM for value in ranks[0][4:-1])
+
+
+def test_tiny_steps_start_a_check_only_every_so_many_steps():
+    """Steps of 5 ms against a period of 50 ms: one check in k (about 10, fewer on a loaded machine) starts a
+    collective; the signal of step 13 goes out with the first one after it (check k, step 12 + k) and is read at the
+    next (step 12 + 2k), on both ranks, unless the log line of step 24 agrees on it first."""
+    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 12, 13, False, False, 0.005, 33, 0.05)
+    assert ranks[0] == ranks[1]
+    check_every = ranks[0][-1]
+    assert 2 <= check_every <= 10, ranks[0]
+    assert first_stop(ranks[0]) == min(12 + 2 * check_every, 24), ranks[0]
