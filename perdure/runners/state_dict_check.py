@@ -25,6 +25,7 @@ from perdure.checkpoints.state_pieces import StatePiece, state_pieces
 from perdure.distributed.collectives import all_ranks
 from perdure.errors import CheckpointStateError
 from perdure.runners.pipeline import ModelParts
+from perdure.runners.zero3_pretrained import hooks_run_whole
 
 FIX = "fix the model's state-dict hooks (state_dict() must give what load_state_dict() takes back, unchanged)"
 
@@ -40,7 +41,8 @@ def check_state_dict_round_trip(model: nn.Module) -> None:
 def _check_part(model: nn.Module) -> None:
     changed: list[str] = []
     for piece in state_pieces(model):  # what hooks make, one hooked module at a time (state_pieces.py)
-        changed += _check_piece(model, piece)
+        with hooks_run_whole(piece):  # ZeRO-3 partitions: a hooked module's parameters gathered whole
+            changed += _check_piece(model, piece)
     if all_ranks(not changed):
         return
     if not changed:

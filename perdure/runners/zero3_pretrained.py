@@ -31,7 +31,7 @@ rank holds one hooked module whole at a time, never the model.
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -80,6 +80,19 @@ def gathered_whole(module: nn.Module) -> AbstractContextManager[Any]:
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(module.parameters()))
+
+
+def hooks_run_whole(piece: StatePiece) -> AbstractContextManager[Any]:
+    """Where `piece`'s hooks run and its state loads back when it is a hooked module built partitioned (ZeRO-3
+    `init_module`; the start-up state-dict round trip): its parameters gathered whole, each rank's partitions cut again
+    from rank 0's values when it ends (`GatheredParameters(modifier_rank=0)`, a collective: every rank calls it and
+    loads the same values). Any other piece: nothing to do."""
+    parameters = list(piece.module.parameters()) if piece.hooked else []
+    if not any(is_partitioned(parameter) for parameter in parameters):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(parameters, modifier_rank=0)
 
 
 @torch.no_grad()

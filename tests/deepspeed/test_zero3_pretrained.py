@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from perdure.checkpoints.read import read_weights
 from tests.deepspeed.conftest import TIMEOUT
@@ -178,3 +180,30 @@ def test_weights_a_hook_splits_load_into_partitions_one_hooked_module_at_a_time(
     assert_same_weights(whole, initial["master"])
     load = read_rises(tmp_path / "load-{rank}", 2)
     assert max(load) < HOOKED_MODEL_BYTES / 4, f"--pretrained rises {load}; model {HOOKED_MODEL_BYTES}"
+
+
+@pytest.mark.timeout(300)
+def test_a_fused_qkv_llama_built_partitioned_starts_from_pretrained_and_exports_hf_through_its_adapter(tmp_path):
+    """examples/llama.py under ZeRO-3 `init_module`: each attention holds a fused `wqkv`, which its state-dict hooks
+    save as `wq` / `wk` / `wv` (made whole) and fuse back. Its hooks run on its parameters gathered whole, one
+    attention at a time: the start-up round-trip check (before, on the empty partitions: "size mismatch for
+    wqkv.weight ... torch.Size([48, 0])"), --pretrained (a torch.save file in the hooks' layout) and the Hugging Face
+    export through the runner's adapter (`to_hf` of the whole state dict, gathered on rank 0 one tensor at a time).
+    One step at lr 0: model.pth is the file bit for bit, hf/ is the adapter's `to_hf` of it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import llama  # examples/llama.py
+    from llama_hf import LlamaStateDictAdapter  # examples/llama_hf.py
+
+    with torch.device("meta"):
+        model = llama.Llama(32, 16, 2, 2, 32, 8, 10000.0)  # meta_llama.py's defaults, 2 layers
+    generator = torch.Generator().manual_seed(0)
+    weights = {name: torch.randn(value.shape, generator=generator) for name, value in model.state_dict().items()}
+    assert "layers.1.attention.wk.weight" in weights
+    torch.save(weights, tmp_path / "weights.pth")  # a safetensors file would be read as Hugging Face's, via from_hf
+    args = (*ZERO3, "--steps", "1", "--optim.lr", "0", "--model.layers", "2", "--dist.timeout", "60")
+    assert_all_ok(run_ranks(2, "meta_llama.py", tmp_path / "runs", *args, "--pretrained",
+                            str(tmp_path / "weights.pth"), "--ckpt.export_format", "pth,hf", HF_ADAPTER="1",
+                            HF_CONFIG="1", timeout=TIMEOUT))  # fmt: skip
+    directory = run_dir(tmp_path / "runs")
+    assert_same_weights(torch.load(directory / "model.pth", weights_only=True), weights)
+    assert_same_weights(load_file(directory / "hf" / "model.safetensors"), LlamaStateDictAdapter(2).to_hf(weights))
