@@ -11,8 +11,9 @@ plugs into the stack's override points and copies nothing of the loop:
     save_checkpoint      full checkpoints from the lowest replica id in the quorum (the one commit protocol); every
                          group's rank-local state (RNGs, data position) under replicas/replica-<id>/
     restore              the full checkpoint, then this group's own rank-local state at the same position
-    _new_run_lock        a lock per replica id beside a shared run.lock; the shared checkpoints are repaired only
-    _repair_checkpoints  while no other group lives
+    new_run_lock         the attempt's hooks (runners/attempt.py `AttemptHooks`): a lock per replica id beside a
+    repair_checkpoints   shared run.lock; the shared checkpoints are repaired only while no other group lives; the
+    attempt_details      replica id and the number of groups in the attempt's record
 
 The parallel stack (FSDP2 inside each group) uses the same layer as HSDP across groups: the averager reduces each
 rank's local gradient shards with the same rank of the other groups, and a heal moves local shards (see manager.py).
@@ -45,8 +46,10 @@ from perdure.ft.manager import (
 )
 from perdure.ft.replica import ReplicaRunLock, ReplicaStates
 from perdure.ft.telemetry import ReplicaTelemetry
-from perdure.runners.fields import RunnerFields
+from perdure.resilience.run_lock import AttemptLock
+from perdure.runners.attempt import AttemptHooks
 from perdure.runners.rng import derived_seed, seed_everything
+from perdure.workspace.run_dir import RunDir
 
 WAIT_FOR_GROUPS_S = 0.5  # pause before retrying a step that lacked ft.min_replica_size groups
 
@@ -78,10 +81,11 @@ class FTProgress:
         self.restored = dict(state)
 
 
-class FaultTolerant(RunnerFields):
+class FaultTolerant(AttemptHooks):
     """Mixed in front of a stack (`class X(UserRunner, FaultTolerant, TorchRunner)`); see the module docstring. What
-    it uses of the stack is declared by its base, `RunnerFields` (perdure/runners/fields.py), the root of every
-    runner class: the stack comes after this layer in the runner's MRO."""
+    it uses of the stack is declared by `RunnerFields` (perdure/runners/fields.py), the root of every runner class,
+    through its base `AttemptHooks` (the attempt's override points it overrides): the stack comes after this layer in
+    the runner's MRO."""
 
     telemetry: ReplicaTelemetry  # replaces the stack's in `__init__`
 
@@ -306,8 +310,8 @@ class FaultTolerant(RunnerFields):
     def _start_ft(self) -> Any:
         """Join the job when the first step begins (never while building the runner): the manager, its servers."""
         ft = self.config.ft
-        assert self.attempt_started is not None  # `train()` began the attempt before its first step
-        self.replica_states.manager.token = self.attempt_started
+        assert self.attempt.started is not None  # `train()` began the attempt before its first step
+        self.replica_states.manager.token = self.attempt.started
         settings = ManagerSettings(
             replica_id=self.replica_id,
             group_rank=self.rank,
@@ -396,17 +400,17 @@ class FaultTolerant(RunnerFields):
         finally:
             super().close(status, reason)
 
-    def _new_run_lock(self) -> ReplicaRunLock:
-        return ReplicaRunLock(self.run_dir.path, self.replica_id)
+    def new_run_lock(self, run_dir: RunDir) -> ReplicaRunLock:
+        return ReplicaRunLock(run_dir.path, self.replica_id)
 
-    def _repair_checkpoints(self) -> None:
-        assert isinstance(self.run_lock, ReplicaRunLock)  # the attempt took the one `_new_run_lock` made
-        with self.run_lock.alone() as alone:
+    def repair_checkpoints(self, lock: AttemptLock) -> None:
+        assert isinstance(lock, ReplicaRunLock)  # the attempt took the one `new_run_lock` made
+        with lock.alone() as alone:
             if alone:
                 # Resolved again: a group that died meanwhile may have committed since this runner restored; the
                 # first quorum then continues from that checkpoint (`_catch_up`).
                 self.checkpoints.resolve()
-                super()._repair_checkpoints()
+                super().repair_checkpoints(lock)
             else:
                 self.logger.info(
                     "replica group %d: other groups of run %s are alive; the shared checkpoints are repaired by the "
@@ -416,5 +420,5 @@ class FaultTolerant(RunnerFields):
                 )
         self.replica_states.repair()
 
-    def _attempt_details(self) -> dict[str, Any]:
-        return {**super()._attempt_details(), "replica": self.replica_id, "ft_group_size": self.group_size}
+    def attempt_details(self) -> dict[str, Any]:
+        return {**super().attempt_details(), "replica": self.replica_id, "ft_group_size": self.group_size}

@@ -1,29 +1,37 @@
 """The attempt: which run a runner belongs to, and the moment it starts writing into it.
 
-    __init__      rank 0 decides the run dir and the restore source, reading only (`_decide_run`); an existing run is
-                  locked quietly so a second launch of a live run fails at once; every rank gets the decision
-    train()       begins the attempt (`_begin_attempt`): lock announced, bad checkpoints repaired, directories, log
+    __init__      rank 0 decides the run dir and the restore source, reading only (`Attempt.decide`); an existing run
+                  is locked quietly so a second launch of a live run fails at once; every rank gets the decision
+                  (`Attempt.agree_on_run`)
+    train()       begins the attempt (`Attempt.begin`): lock announced, bad checkpoints repaired, directories, log
                   file, metadata and the sidecar's attempt; the attempt's stamp is shared by every rank
-                  (`_new_run_lock` and `_repair_checkpoints` are what a TorchFT replica group changes: a lock per
-                  replica id beside a shared `run.lock`, and a repair only while no other group lives)
-    close()       releases the lock and the log file
-    a failed setup  (`_setup_failed`) is recorded as an attempt that failed, so it shows in `perdure runs ls`
+    close()       releases the lock and the log file (`Attempt.release`)
+    a failed setup  (`Attempt.record_failed_setup`) is recorded as an attempt that failed, so it shows in
+                  `perdure runs ls`
 
 Only `train()` writes: a runner built to look at a run (`from_checkpoint`, `evaluate`, `infer`, `close`) changes
-nothing on disk. Part of `BaseRunner` (one concept per file); it uses the runner's `config`, `checkpoints`,
-`telemetry`, `restore_source` and `logger`.
+nothing on disk.
+
+`Attempt` is the component the runner owns (`runner.attempt`), built in `BaseRunner.__init__` with what it reads,
+passed explicitly; what it needs of the runner later is passed to the call that needs it. `AttemptHooks` holds the
+attempt's override points with their defaults (`BaseRunner` inherits them): `new_run_lock`, `repair_checkpoints`
+and `attempt_details`, what a TorchFT replica group changes (a lock per replica id beside a shared `run.lock`, a
+repair only while no other group lives, its replica id in the record).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from perdure.checkpoints.save_errors import free_bytes, human_bytes, what_failed
 from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.distributed.collectives import broadcast_object
-from perdure.errors import ConfigError, PerdureError, RunStuckError, WeightsMisfitError, WorkspaceError
-from perdure.loggers.console import attach_log_file, detach_log_file
+from perdure.errors import PerdureError, RunStuckError, WorkspaceError
+from perdure.loggers.console import EarlyRecords, attach_log_file, detach_log_file
 from perdure.resilience.crash_loop import STUCK_EXIT, is_retry, refuse_if_stuck
 from perdure.resilience.hang_watch import HangVerdict
 from perdure.resilience.run_lock import LOCK_NAME, AttemptLock, RunLock, RunLockedError
@@ -34,11 +42,78 @@ from perdure.workspace.run_dir import RunDir, resolve_run_dir
 from perdure.workspace.siblings import sibling_runs
 from perdure.workspace.sidecar import Sidecar
 
+if TYPE_CHECKING:
+    from perdure.checkpoints.base import CheckpointManager
+    from perdure.checkpoints.resolve import CheckpointInfo
+    from perdure.config import RunnerConfig
+    from perdure.runners.telemetry import RunTelemetry
 
-class AttemptMixin(RunnerFields):
-    """Deciding the run (reading only), beginning the attempt when training starts, recording a failed setup."""
 
-    def _agree(self, decision: tuple[str, Any]) -> Any:
+class AttemptHooks(RunnerFields):
+    """The attempt's override points, with their defaults: `BaseRunner` inherits them; the TorchFT layer
+    (`perdure.ft.runner.FaultTolerant`) overrides them. They hold no state; the `Attempt` calls them."""
+
+    attempt: Attempt  # built by `BaseRunner.__init__`
+
+    def new_run_lock(self, run_dir: RunDir) -> AttemptLock:
+        """Rank 0, deciding or opening the run: the lock this process holds while it may write `run_dir` (not yet
+        acquired). Default: the run's exclusive `run.lock`. A TorchFT replica group returns its per-replica lock
+        (`perdure.ft.replica.ReplicaRunLock`). Must not touch the disk."""
+        return RunLock(run_dir.path)
+
+    def repair_checkpoints(self, lock: AttemptLock) -> None:
+        """Rank 0, holding `lock` (the one `new_run_lock` made), when the attempt begins: quarantine what `resolve`
+        found bad, fix pointers. A TorchFT replica group repairs the shared checkpoints only while no other group
+        lives. Must not write anything else."""
+        self.checkpoints.repair()
+
+    def attempt_details(self) -> dict[str, Any]:
+        """Rank 0, when the attempt begins (or its failed setup is recorded): what the attempt's record says about
+        this process beyond its progress: the code it runs, its topology. Must not change any state."""
+        details: dict[str, Any] = {"code_id": self.run_dir.running_code_id, "world_size": self.world_size}
+        if self.run_dir.launch is not None:
+            details["launch"] = self.run_dir.launch.key
+        if is_retry():
+            details["retry"] = True  # `perdure sweep retry`: attempts without progress are counted from here
+        if self._topology_change is not None:
+            details["topology_change"] = self._topology_change
+        return details
+
+
+class Attempt:
+    """Deciding the run (reading only), beginning the attempt when training starts, recording a failed setup; see
+    the module docstring."""
+
+    def __init__(
+        self,
+        hooks: AttemptHooks,
+        *,
+        config: RunnerConfig,
+        runner_name: str,
+        rank: int,
+        inspection: bool,
+        early_records: EarlyRecords,
+        logger: logging.Logger,
+    ) -> None:
+        self.hooks = hooks
+        self.config = config
+        self.runner_name = runner_name  # the runner class's name, part of a run's identity
+        self.rank = rank
+        self.is_main_process = rank == 0
+        self.inspection = inspection  # built by `from_checkpoint`: a setup failure then records nothing
+        self.early_records = early_records  # what is logged before the log file exists (installed on `logger`)
+        self.logger = logger
+        self.run_dir: RunDir  # the decided run, from `agree_on_run` (rank 0: from `decide`)
+        self.restore_source: RestoreSource  # from `agree_on_run`
+        self.checkpoints: CheckpointManager | None = None  # rank 0: the run's manager, made by `decide`
+        self.lock: AttemptLock | None = None  # rank 0: an existing run's from `decide`, a new one's from `begin`
+        self.started: str | None = None  # the attempt's UTC stamp, set when `begin` (or a failed setup) opens it
+        self.log_file: logging.Handler | None = None  # the attempt's log file, from `begin` to `release`
+        self.telemetry: RunTelemetry | None = None  # the records `begin` started, for a hang's verdict
+
+    # ---- the run: decided in `__init__`, reading only -------------------------------------------------------------
+
+    def agree(self, decision: tuple[str, Any]) -> Any:
         """Share rank 0's ("ok", value) or ("error", exception): every rank returns the value or raises the error."""
         shared = decision
         if decision[0] == "error" and isinstance(decision[1], RunStuckError):
@@ -52,22 +127,35 @@ class AttemptMixin(RunnerFields):
             raise decision[1] if self.is_main_process else PerdureError(value)
         return value
 
-    def _decide_run(self) -> tuple[str, Any]:
-        """Rank 0: which run dir, its checkpoints resolved (reading only), the restore source.
+    def agree_on_run(self, decision: tuple[str, Any]) -> tuple[RunDir, RestoreSource]:
+        """Every rank: rank 0's decision (`decide`; the others pass ("", None)), or its error raised."""
+        self.run_dir, self.restore_source = self.agree(decision)
+        return self.run_dir, self.restore_source
 
-        Returns ("ok", (run_dir, source)) or ("error", the exception), to be broadcast. Nothing is written (but the
-        `stuck` status of a run in a crash loop): the run lock, the repair of bad checkpoints and the directories come
-        when `train()` begins the attempt.
+    def decide(
+        self,
+        *,
+        checkpoint_manager: Callable[[RunDir], CheckpointManager],
+        check_same_config: Callable[[CheckpointInfo], None],
+        read_pretrained: Callable[[Path], Any],
+    ) -> tuple[str, Any]:
+        """Rank 0: which run dir, its checkpoints resolved (reading only) by the manager `checkpoint_manager` makes
+        for it, the restore source (a checkpoint's config checked by `check_same_config`, `--pretrained` weights
+        read by `read_pretrained`, so unreadable ones are refused before anything is written).
+
+        Returns ("ok", (run_dir, source)) or ("error", the exception), to be broadcast (`agree_on_run`). Nothing is
+        written (but the `stuck` status of a run in a crash loop): the run lock, the repair of bad checkpoints and the
+        directories come when `train()` begins the attempt.
         """
         try:
-            run_dir = resolve_run_dir(self.config, type(self).__name__)
+            run_dir = resolve_run_dir(self.config, self.runner_name)
             self.run_dir = run_dir
             if not self.inspection and (run_dir.path / LOCK_NAME).is_file():
                 # An existing run is locked at once, so a second launch of a live run fails before building anything;
                 # quietly (no holder info written): a runner built only to look at the run changes no byte of it.
-                self.run_lock = self._new_run_lock()
+                self.lock = self.hooks.new_run_lock(run_dir)
                 try:
-                    self.run_lock.acquire(announce=False)
+                    self.lock.acquire(announce=False)
                 except RunLockedError as error:
                     if run_dir.unfinished is None:
                         raise
@@ -76,21 +164,21 @@ class AttemptMixin(RunnerFields):
                         f"unfinished run of code {run_dir.code_id}: to start a separate run beside it, rerun with "
                         "--workspace.continue_unfinished false"
                     ) from None
-            self.checkpoints = self._checkpoint_manager()
+            checkpoints = self.checkpoints = checkpoint_manager(run_dir)
             source = choose_restore_source(
-                self.checkpoints.resolve(),
+                checkpoints.resolve(),
                 run_dir=run_dir.path,
                 resume=self.config.resume,
                 checkpoint=self.config.checkpoint,
                 pretrained=self.config.pretrained,
-                quarantined=self.checkpoints.quarantined,
+                quarantined=checkpoints.quarantined,
             )
             if source.info is not None:
-                self._check_same_config(source.info)
+                check_same_config(source.info)
             if source.kind == "pretrained":
                 assert source.path is not None  # a pretrained source carries its weights' path
-                self.read_pretrained(source.path)  # unreadable weights are refused before anything is written
-            if self.run_lock is not None:  # an existing run: refused when its last attempts made no progress
+                read_pretrained(source.path)  # unreadable weights are refused before anything is written
+            if self.lock is not None:  # an existing run: refused when its last attempts made no progress
                 refuse_if_stuck(
                     run_dir.path,
                     limit=self.config.resilience.max_attempts_without_progress,
@@ -101,7 +189,7 @@ class AttemptMixin(RunnerFields):
             self._announce_run(run_dir, source)
             return "ok", (run_dir, source)
         except Exception as error:
-            self._release_lock()
+            self.release_lock()
             return "error", error
 
     def _announce_run(self, run_dir: RunDir, source: RestoreSource) -> None:
@@ -151,59 +239,58 @@ class AttemptMixin(RunnerFields):
                        config_id=run_dir.config_id, hparams=canonical_config(self.config),
                        tags=list(self.config.workspace.tags))  # fmt: skip
 
-    def _release(self) -> None:
-        self.hang_watch.stop()
-        self.logger.removeHandler(self._early_records)
-        detach_log_file(self._log_file)
-        self._log_file = None
-        self._release_lock()
+    # ---- the attempt: begun by `train()`, released by `close()` ----------------------------------------------------
 
-    def _release_lock(self) -> None:
-        if self.run_lock is not None:
-            self.run_lock.release()
-            self.run_lock = None
+    def release(self) -> None:
+        """Stop collecting early records, close the log file and release the run lock (the runner's `_release`)."""
+        self.logger.removeHandler(self.early_records)
+        detach_log_file(self.log_file)
+        self.log_file = None
+        self.release_lock()
 
-    def _begin_attempt(self) -> None:
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def begin(self, telemetry: RunTelemetry) -> str:
         """Start writing: rank 0 takes the run lock, repairs what the resolve found, creates the directories, opens the
-        log file and records the attempt (metadata, sidecar, loggers); the attempt's stamp is shared by every rank.
+        log file and records the attempt in `telemetry` (metadata, sidecar, loggers); every rank returns the attempt's
+        stamp, which rank 0 shares.
 
-        A disk that cannot take these first writes (full, read-only, gone) stops every rank here, before any training
-        it could not checkpoint, with a `WorkspaceError` naming the file, the cause and what is free; whatever was
-        opened is closed and the lock released. Nothing committed is touched."""
-        self.state.attempt += 1
-        try:
-            started: str = self._agree(self._open_attempt() if self.is_main_process else ("", None))
-            self.attempt_started = started
-        except BaseException:
-            self.telemetry.abandon()
-            self._release()
-            raise
-        self.checkpoints.token = started
-        self.logger.removeHandler(self._early_records)
-        self.hang_watch.start(started, on_hang=self._record_hang)
+        A disk that cannot take these first writes (full, read-only, gone) raises on every rank (a `WorkspaceError`
+        naming the file, the cause and what is free); the runner then closes what was opened and releases the lock.
+        Nothing committed is touched."""
+        self.telemetry = telemetry
+        started: str = self.agree(self._open_attempt(telemetry) if self.is_main_process else ("", None))
+        self.started = started
+        self.logger.removeHandler(self.early_records)
+        return started
 
-    def _record_hang(self, verdict: HangVerdict) -> None:
+    def record_hang(self, verdict: HangVerdict) -> None:
         """On the hang watch's thread, before this rank exits `hung`: rank 0 ends the attempt's record with the
         verdict's line; when rank 0 itself is the stopped one (it cannot), the rank that reported the hang does."""
+        telemetry = self.telemetry
+        assert telemetry is not None  # the watch starts once `begin` has the attempt's stamp
         if self.is_main_process:
-            self.telemetry.record_hang(verdict.line)
+            telemetry.record_hang(verdict.line)
         elif verdict.reporter == self.rank and 0 in verdict.frozen:
-            assert self.attempt_started is not None  # the watch starts once the attempt has its stamp
-            self.telemetry.record_hang_for(self.attempt_started, verdict.line)
+            assert self.started is not None  # the watch starts once the attempt has its stamp
+            telemetry.record_hang_for(self.started, verdict.line)
 
-    def _open_attempt(self) -> tuple[str, Any]:
+    def _open_attempt(self, telemetry: RunTelemetry) -> tuple[str, Any]:
         """Rank 0: open the run (`_open_run`), then the attempt's log file and records; returns ("ok", the attempt's
         stamp) or ("error", exception), to be broadcast. An I/O failure becomes a `WorkspaceError` saying what to do."""
         outcome, value = self._open_run()
         if outcome == "ok":
             try:
-                self._log_file = attach_log_file(self.run_dir.logs / f"{value}.log")
-                self._early_records.replay_into(self._log_file)
+                self.log_file = attach_log_file(self.run_dir.logs / f"{value}.log")
+                self.early_records.replay_into(self.log_file)
                 resumed = self.restore_source
-                self.telemetry.start(
+                telemetry.start(
                     attempt=value,
                     resumed_from=str(resumed.info.path) if resumed.info is not None else None,
-                    details=self._attempt_details(),
+                    details=self.hooks.attempt_details(),
                 )
             except Exception as error:
                 outcome, value = "error", error
@@ -224,74 +311,30 @@ class AttemptMixin(RunnerFields):
         """Rank 0: lock, repair, create; returns ("ok", attempt stamp) or ("error", exception), to be broadcast."""
         try:
             self.run_dir.create_path()  # a root that cannot hold the run is named before the lock's own mkdir
-            if self.run_lock is None:
-                self.run_lock = self._new_run_lock()
-                self.run_lock.acquire()
-            self.run_lock.announce()
-            self._repair_checkpoints()
+            if self.lock is None:
+                self.lock = self.hooks.new_run_lock(self.run_dir)
+                self.lock.acquire()
+            self.lock.announce()
+            self.hooks.repair_checkpoints(self.lock)
             self.run_dir.create()
             record_launch(self.run_dir)
             return "ok", datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         except Exception as error:
-            self._release_lock()
+            self.release_lock()
             return "error", error
 
-    def _new_run_lock(self) -> AttemptLock:
-        """Rank 0, deciding or opening the run: the lock this process holds while it may write the run (not yet
-        acquired). Default: the run's exclusive `run.lock`. A TorchFT replica group returns its per-replica lock
-        (`perdure.ft.replica.ReplicaRunLock`). Must not touch the disk."""
-        return RunLock(self.run_dir.path)
-
-    def _repair_checkpoints(self) -> None:
-        """Rank 0, holding the run lock, when the attempt begins: quarantine what `resolve` found bad, fix pointers.
-        A TorchFT replica group repairs the shared checkpoints only while no other group lives."""
-        self.checkpoints.repair()
-
-    def _attempt_details(self) -> dict[str, Any]:
-        """What the attempt's record says about this process beyond its progress: the code it runs, its topology."""
-        details: dict[str, Any] = {"code_id": self.run_dir.running_code_id, "world_size": self.world_size}
-        if self.run_dir.launch is not None:
-            details["launch"] = self.run_dir.launch.key
-        if is_retry():
-            details["retry"] = True  # `perdure sweep retry`: attempts without progress are counted from here
-        if self._topology_change is not None:
-            details["topology_change"] = self._topology_change
-        return details
-
-    def _setup_failed(self, error: Exception) -> None:
-        """A setup (`__init__` / `__post_init__`) raised after the run was decided: record a failed attempt with the
-        error (run dir, sidecar, log file), so the failure shows in `perdure runs ls`; then release everything.
-        Runners built by `from_checkpoint` (to look at a run) record nothing, nor does a `ConfigError` (bad input,
-        refused before anything is written: e.g. a model the parallel stack cannot split as configured; `--pretrained`
-        weights that do not fit the model). Never masks
-        `error`."""
-        if "telemetry" not in self.__dict__:  # the run was not decided: nothing to record, nothing held
-            if "_early_records" in self.__dict__:
-                self.logger.removeHandler(self._early_records)
-            return
-        if isinstance(error, ConfigError) or (
-            isinstance(error, WeightsMisfitError) and self.restore_source.kind == "pretrained"
-        ):  # bad input: `--pretrained` weights of another architecture (a new run: there was no checkpoint)
-            self._release()
-            return
-        try:
-            if self.is_main_process and not self.inspection:
-                self._record_failed_setup(f"{type(error).__name__}: {error}")
-        except Exception as failure:  # noqa: BLE001 - the setup's own error is what the user must see
-            self.logger.warning("could not record the failed setup in %s: %s", self.run_dir.path, failure)
-        finally:
-            self._release()
-
-    def _record_failed_setup(self, reason: str) -> None:
+    def record_failed_setup(self, reason: str, telemetry: RunTelemetry) -> None:
+        """Rank 0, a setup that raised after the run was decided (the runner's `_setup_failed`): open the run and
+        record a failed attempt with `reason` in `telemetry` (run dir, sidecar, log file)."""
         outcome, value = self._open_run()
         if outcome != "ok":
             self.logger.warning("the failed setup is not recorded in %s: %s", self.run_dir.path, value)
             return
         started: str = value
-        self.attempt_started = started
-        self._log_file = attach_log_file(self.run_dir.logs / f"{started}.log")
-        self._early_records.replay_into(self._log_file)
-        self.logger.removeHandler(self._early_records)
+        self.started = started
+        self.log_file = attach_log_file(self.run_dir.logs / f"{started}.log")
+        self.early_records.replay_into(self.log_file)
+        self.logger.removeHandler(self.early_records)
         self.logger.error("setup of run %s failed: %s", self.run_dir.path, reason)
-        self.telemetry.record_failed_setup(attempt=started, reason=reason, details=self._attempt_details(),
-                                           source=self.restore_source.info)  # fmt: skip
+        telemetry.record_failed_setup(attempt=started, reason=reason, details=self.hooks.attempt_details(),
+                                      source=self.restore_source.info)  # fmt: skip

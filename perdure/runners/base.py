@@ -37,7 +37,7 @@ from perdure.checkpoints.select import manager_class as select_manager_class
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
 from perdure.distributed.gloo_exit import settle_gloo_workers_at_exit
-from perdure.errors import PerdureError
+from perdure.errors import ConfigError, PerdureError, WeightsMisfitError
 from perdure.loggers.console import (
     EarlyRecords,
     drop_orphaned_early_records,
@@ -47,7 +47,7 @@ from perdure.loggers.console import (
 from perdure.resilience.hang_watch import HangWatch, watched_phase
 from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.accumulation import AccumulationMixin
-from perdure.runners.attempt import AttemptMixin
+from perdure.runners.attempt import Attempt, AttemptHooks
 from perdure.runners.cadence import Cadence
 from perdure.runners.checkpointing import CheckpointingMixin, building_for_inspection
 from perdure.runners.compile import uncompiled
@@ -66,6 +66,7 @@ from perdure.runners.state_dict_check import check_state_dict_round_trip
 from perdure.runners.stragglers import StragglerWatch
 from perdure.runners.telemetry import RunTelemetry
 from perdure.runners.throughput import ThroughputMeter
+from perdure.workspace.run_dir import RunDir
 
 NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
 
@@ -86,7 +87,7 @@ class RunnerMeta(ABCMeta):
 
 
 class BaseRunner(
-    AttemptMixin, CheckpointingMixin, EvaluationHooks, MetricsMixin, DataSetupMixin, AccumulationMixin,
+    AttemptHooks, CheckpointingMixin, EvaluationHooks, MetricsMixin, DataSetupMixin, AccumulationMixin,
     metaclass=RunnerMeta,
 ):  # fmt: skip
     """The training lifecycle shared by every stack. Subclass a stack (or `Runner`), not this class."""
@@ -99,6 +100,7 @@ class BaseRunner(
     # (runners/fields.py), the root its parts share; `__init__` sets them.
 
     # ---- components, each built with what it reads, passed explicitly --------------------------------------------
+    attempt: Attempt  # `__init__`: the run decided, the attempt begun, released, a failed setup (runners/attempt.py)
     evaluator: Evaluator  # `__post_init__`: evaluation loops, results and the best score (runners/evaluation.py)
 
     def __init__(self, config: RunnerConfig) -> None:
@@ -133,21 +135,36 @@ class BaseRunner(
         settle_gloo_workers_at_exit()  # a rank that leaves right after a collective must not abort (gloo_exit.py)
         seed_everything(config.seed)
 
-        self.run_lock = None  # rank 0: an existing run's from `__init__`, a new one's from `train()`
-        self.attempt_started = None  # the attempt's UTC stamp, set when `train()` begins it
-        self._log_file = None  # the attempt's log file, from `train()` to `close()`
         self.inspection = building_for_inspection()  # `from_checkpoint`: a setup failure then records nothing
         if not self.is_main_process:
             self.logger.setLevel(logging.WARNING)  # rank 0 alone reports progress
         # What is logged before the run's log file exists (it is opened when training starts) still reaches it.
         drop_orphaned_early_records()
-        self._early_records = EarlyRecords(owner=self)
-        self.logger.addHandler(self._early_records)
+        early_records = EarlyRecords(owner=self)
+        self.logger.addHandler(early_records)
+        self.attempt = Attempt(
+            self,
+            config=config,
+            runner_name=type(self).__name__,
+            rank=self.rank,
+            inspection=self.inspection,
+            early_records=early_records,
+            logger=self.logger,
+        )
         # Rank 0 decides where the run lives and what it restores from, reading only; the others follow, or fail with
         # the same message.
-        decision = self._decide_run() if self.is_main_process else ("", None)
-        self.run_dir, self.restore_source = self._agree(decision)
-        if not self.is_main_process:
+        decision = ("", None)
+        if self.is_main_process:
+            decision = self.attempt.decide(
+                checkpoint_manager=self._checkpoint_manager_for,
+                check_same_config=self._check_same_config,
+                read_pretrained=self.read_pretrained,
+            )
+        self.run_dir, self.restore_source = self.attempt.agree_on_run(decision)
+        if self.is_main_process:
+            assert self.attempt.checkpoints is not None  # `decide` made the run's manager, or the agreement raised
+            self.checkpoints = self.attempt.checkpoints
+        else:
             self.checkpoints = self._checkpoint_manager()
         if self.restore_source.kind == "pretrained":
             assert self.restore_source.path is not None  # a pretrained source carries its weights' path
@@ -161,6 +178,11 @@ class BaseRunner(
         self._skips = SkippedSteps(config.resilience.max_consecutive_skips)
         self.meter = ThroughputMeter(self.world_size)  # the speed, memory and ETA columns of train log lines
         self.stragglers = StragglerWatch(self.rank, self.world_size)  # each rank's step time, at log lines
+
+    def _checkpoint_manager_for(self, run_dir: RunDir) -> CheckpointManager:
+        """Rank 0, deciding the run (`Attempt.decide`): the checkpoint manager of `run_dir`, the run it decided on."""
+        self.run_dir = run_dir
+        return self._checkpoint_manager()
 
     def _checkpoint_manager(self, token: str = "") -> CheckpointManager:
         """This run's checkpoint manager; `token` (the attempt's timestamp, equal on all ranks) names staging dirs.
@@ -418,7 +440,7 @@ class BaseRunner(
             raise
         except BaseException as error:
             status, reason = "failed", f"{type(error).__name__}: {error}"
-            record_error(self._log_file, error)
+            record_error(self.attempt.log_file, error)
             raise
         finally:
             self.close(status, reason)
@@ -435,6 +457,51 @@ class BaseRunner(
                 self.telemetry.finish(*self.hang_watch.outcome(status, reason))
             finally:
                 self._release()
+
+    def _begin_attempt(self) -> None:
+        """The start of `train()`: the attempt begins (`Attempt.begin`: rank 0 takes the lock, repairs, creates the
+        directories, opens the log file and records the attempt; every rank gets its stamp), then the checkpoint
+        manager names its staging dirs by the stamp and the hang watch starts. A disk that cannot take the first
+        writes stops every rank here, before any training it could not checkpoint; what was opened is closed and the
+        lock released."""
+        self.state.attempt += 1
+        try:
+            started = self.attempt.begin(self.telemetry)
+        except BaseException:
+            self.telemetry.abandon()
+            self._release()
+            raise
+        self.checkpoints.token = started
+        self.hang_watch.start(started, on_hang=self.attempt.record_hang)
+
+    def _release(self) -> None:
+        """The end of the attempt on this process (`close()`, a failed start or setup): the hang watch stops, the
+        attempt releases its log file and lock."""
+        self.hang_watch.stop()
+        self.attempt.release()
+
+    def _setup_failed(self, error: Exception) -> None:
+        """A setup (`__init__` / `__post_init__`) raised after the run was decided: record a failed attempt with the
+        error (run dir, sidecar, log file), so the failure shows in `perdure runs ls`; then release everything.
+        Runners built by `from_checkpoint` (to look at a run) record nothing, nor does a `ConfigError` (bad input,
+        refused before anything is written: e.g. a model the parallel stack cannot split as configured; `--pretrained`
+        weights that do not fit the model). Never masks `error`. Called by `RunnerMeta`."""
+        if "telemetry" not in self.__dict__:  # the run was not decided: nothing to record, nothing held
+            if "attempt" in self.__dict__:
+                self.logger.removeHandler(self.attempt.early_records)
+            return
+        if isinstance(error, ConfigError) or (
+            isinstance(error, WeightsMisfitError) and self.restore_source.kind == "pretrained"
+        ):  # bad input: `--pretrained` weights of another architecture (a new run: there was no checkpoint)
+            self._release()
+            return
+        try:
+            if self.is_main_process and not self.inspection:
+                self.attempt.record_failed_setup(f"{type(error).__name__}: {error}", self.telemetry)
+        except Exception as failure:  # noqa: BLE001 - the setup's own error is what the user must see
+            self.logger.warning("could not record the failed setup in %s: %s", self.run_dir.path, failure)
+        finally:
+            self._release()
 
     def train_steps(self) -> None:
         """Train until `global_step` reaches `config.steps` (epochs roll over as the data runs out)."""

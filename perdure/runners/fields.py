@@ -1,9 +1,11 @@
 """RunnerFields: the runner's shared fields and the override points its parts call, declared once and typed.
 
-`BaseRunner` is put together from parts, one concept per file (attempt.py, checkpointing.py, evaluation.py,
-metrics.py, data_setup.py, accumulation.py); a stack (torch_runner.py, parallel_runner.py, deepspeed_runner.py) and
-the TorchFT layer (`perdure.ft.runner.FaultTolerant`) sit in front of it. Each piece reads fields that
-`BaseRunner.__init__` (or another piece) sets, and calls methods that BaseRunner, another part or a stack defines.
+`BaseRunner` owns components (`runner.attempt`: runners/attempt.py; `runner.evaluator`: runners/evaluation.py),
+inherits their override points (`AttemptHooks`, `EvaluationHooks`), and is put together from parts, one concept per
+file (checkpointing.py, metrics.py, data_setup.py, accumulation.py); a stack (torch_runner.py, parallel_runner.py,
+deepspeed_runner.py) and the TorchFT layer (`perdure.ft.runner.FaultTolerant`) sit in front of it. Each piece
+reads fields that `BaseRunner.__init__` (or another piece) sets, and calls methods that BaseRunner, another part or a
+stack defines.
 Every part and the TorchFT layer inherit this class, so those fields and methods are declared in one place, and a
 type checker checks that the pieces fit.
 
@@ -30,9 +32,7 @@ if TYPE_CHECKING:
     from perdure.checkpoints.source import RestoreSource
     from perdure.config import RunnerConfig
     from perdure.data.loader import ResumableLoader
-    from perdure.loggers.console import EarlyRecords
     from perdure.resilience.hang_watch import HangWatch
-    from perdure.resilience.run_lock import AttemptLock
     from perdure.resilience.signals import PreemptionHandler
     from perdure.runners.cadence import Cadence
     from perdure.runners.divergence import SkippedSteps
@@ -76,14 +76,10 @@ class RunnerFields:
     meter: ThroughputMeter  # the speed, memory and ETA columns of train log lines
     stragglers: StragglerWatch  # each rank's step time, at log lines
 
-    # ---- the run and the attempt (runners/attempt.py) ----------------------------------------------------------
+    # ---- the run `runner.attempt` decided (runners/attempt.py) ----------------------------------------------------
     run_dir: RunDir
     restore_source: RestoreSource
     checkpoints: CheckpointManager
-    run_lock: AttemptLock | None  # rank 0: an existing run's from `__init__`, a new one's from `train()`
-    attempt_started: str | None  # the attempt's UTC stamp, set when `train()` begins it
-    _log_file: logging.Handler | None  # the attempt's log file, from `train()` to `close()`
-    _early_records: EarlyRecords  # what is logged before the log file exists
     _pretrained_weights: Any  # `read_pretrained`'s, from `__init__` to the restore
 
     # ---- the training loop (runners/base.py) -------------------------------------------------------------------
@@ -164,16 +160,6 @@ class RunnerFields:
         raise NotImplementedError
 
     # ---- what one part calls of another -------------------------------------------------------------------------
-
-    # runners/attempt.py
-    def _new_run_lock(self) -> AttemptLock:
-        raise NotImplementedError
-
-    def _repair_checkpoints(self) -> None:
-        raise NotImplementedError
-
-    def _attempt_details(self) -> dict[str, Any]:
-        raise NotImplementedError
 
     # runners/checkpointing.py
     def checkpoint_states(self) -> dict[str, Stateful]:
