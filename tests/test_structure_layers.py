@@ -14,7 +14,7 @@ from perdure import ConfigError, RunnerConfig
 from perdure.config_checks import register_section_check, section_checks
 from tests.test_import_cycles import ROOT, import_graph
 
-LEAF = {"perdure.errors", "perdure.plain", "perdure.safe_io", "perdure.atomic"}
+LEAF = {"perdure.errors", "perdure.plain", "perdure.safe_io", "perdure.atomic", "perdure.private_api"}
 CONFIG = {"perdure.config", "perdure.config_checks", "perdure.config_help", "perdure.config_text"}
 BUILT_IN_SECTIONS = ["ckpt.interval", "ckpt.mirror", "deepspeed", "ft", "parallel"]
 

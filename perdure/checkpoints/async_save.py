@@ -34,6 +34,7 @@ from perdure.checkpoints.save_watch import SaveWatch
 from perdure.checkpoints.snapshot import BufferPool, Snapshot
 from perdure.checkpoints.staging import Staging
 from perdure.errors import CheckpointSaveError, CheckpointStateError
+from perdure.private_api import share_storage_fd, storage_from_shared_fd
 from perdure.resilience.worker_signals import preemption_signals_blocked
 
 logger = logging.getLogger("perdure")
@@ -395,7 +396,7 @@ class BufferPickler(ForkingPickler):
             return ("buffer", self.sent[id(obj)][0])
         if not obj.is_shared() or obj.untyped_storage().nbytes() == 0:
             return None  # pickled in full: not a shared buffer, or an empty one (no memory, no descriptor)
-        descriptor, nbytes = obj.untyped_storage()._share_fd_cpu_()  # the descriptor it keeps; nothing is copied
+        descriptor, nbytes = share_storage_fd(obj.untyped_storage())  # the descriptor it keeps; nothing is copied
         number = len(self.known) + len(self.sent)
         self.sent[id(obj)] = (number, obj)
         self.descriptors.append(descriptor)
@@ -414,8 +415,7 @@ class BufferUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> torch.Tensor:
         if pid[0] == "new":
             _, number, slot, nbytes, (dtype, shape, stride, offset) = pid
-            # A private torch API that its stubs do not list; maps a duplicate.
-            storage = torch.UntypedStorage._new_shared_fd_cpu(self.received[slot], nbytes)  # type: ignore[attr-defined]
+            storage = storage_from_shared_fd(self.received[slot], nbytes)  # maps a duplicate
             self.buffers[number] = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
         return self.buffers[pid[1]]
 

@@ -23,13 +23,12 @@ import multiprocessing.connection
 import multiprocessing.process
 import pickle
 import re
-import sys
 from multiprocessing.context import SpawnProcess
 
 from perdure.checkpoints.save_errors import io_cause, killed_by
 from perdure.errors import CheckpointSaveError, CheckpointStateError
+from perdure.private_api import dcp_checkpoint_process, dcp_executor_holds_process, dcp_forget_checkpoint_process
 
-EXECUTOR_MODULE = "torch.distributed.checkpoint._async_process_executor"
 # What sending the state to the process raises for an object that cannot be pickled: the state's fault, for good.
 PICKLING_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
 
@@ -38,14 +37,12 @@ def replace_after_failure(error: BaseException, rank: int) -> BaseException:
     """Stop this rank's DCP checkpoint process after a failed save, so the next save starts a new one. Returns the
     error to report: a `CheckpointSaveError` naming the process when it died or failed on its own (training may go
     on), else `error` itself (an I/O error, or state that cannot be pickled)."""
-    module = sys.modules.get(EXECUTOR_MODULE)
-    if module is None or not hasattr(module, "_CHECKPOINT_PROCESS"):  # a torch without it: nothing to replace
+    if not dcp_executor_holds_process():  # a torch without it: nothing to replace
         return error
-    holder = module._CHECKPOINT_PROCESS
-    if holder is None:  # this save was starting it (the first save, or the one after a replacement)
+    process = dcp_checkpoint_process()
+    if process is None:  # this save was starting it (the first save, or the one after a replacement)
         return _start_failed(error, rank)
-    module._CHECKPOINT_PROCESS = None  # type: ignore[attr-defined]  # torch's private executor state (no stub)
-    process = holder._save_process
+    dcp_forget_checkpoint_process()
     # One that died closed its pipe before the kernel had reaped it (torch saw `Exit code: None`): a second to finish.
     process.join(timeout=1.0)
     if not process.is_alive():

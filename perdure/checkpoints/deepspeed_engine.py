@@ -44,6 +44,7 @@ from perdure.checkpoints.file import _save, local_file, read_local_states
 from perdure.checkpoints.read import WeightsFormat, register_format
 from perdure.checkpoints.safe_unpickle import deepspeed_loads_restricted, deepspeed_refusal, load_torch_file
 from perdure.errors import CheckpointError
+from perdure.private_api import set_load_universal_checkpoint
 
 logger = logging.getLogger("perdure")
 
@@ -200,7 +201,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
 
         recording_io(engine)
         check_tag_dir(path / TAG)
-        engine._config.load_universal_checkpoint = universal  # read by load_checkpoint only, for this one load
+        set_load_universal_checkpoint(engine, universal)  # read by load_checkpoint only, for this one load
         try:
             with deepspeed_loads_restricted():  # a universal load torch.loads zero/<param>/*.pt by name itself
                 load_path, client = engine.load_checkpoint(
@@ -215,7 +216,7 @@ class DeepSpeedCheckpointManager(CheckpointManager):
                 f"DeepSpeed could not load checkpoint {path}: {type(error).__name__}: {error}"
             ) from error
         finally:
-            engine._config.load_universal_checkpoint = False
+            set_load_universal_checkpoint(engine, False)
         if load_path is None:  # DeepSpeed only warns when it finds nothing; perdure never goes on from nothing
             raise CheckpointError(f"DeepSpeed found no engine checkpoint in {path / TAG}")
         return client

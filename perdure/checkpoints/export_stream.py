@@ -15,9 +15,9 @@ first and each tensor's bytes follow as it arrives:
 The tensors come in `stream_order`: the safetensors layout when that format is written, else the dict's order; the
 pth's storage records are numbered in that order, so they lie in the file in numeric order as `torch.save`'s do.
 
-The pth side uses torch's private `torch.serialization._open_zipfile_writer` and the pickle layout of
-`Tensor._reduce_ex_internal` (`_rebuild_tensor_v2` / `_v3`); tests/test_export_stream.py compares the bytes with
-`torch.save`'s, so a torch release that changes them fails there.
+The pth side uses torch's private zip writer and the pickle layout of `Tensor._reduce_ex_internal` (through
+perdure/private_api.py: `open_zipfile_writer`, `tensor_pickle_reduction`, `storage_pickle_reference`);
+tests/test_export_stream.py compares the bytes with `torch.save`'s, so a torch release that changes them fails there.
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ import torch
 
 from perdure.atomic import atomic_write
 from perdure.errors import CheckpointError
+from perdure.private_api import (
+    open_zipfile_writer,
+    storage_alignment,
+    storage_pickle_reference,
+    tensor_pickle_reduction,
+)
 
 # safetensors' names of the dtypes, in the order `save_file` lays their tensors out (measured with safetensors 0.8:
 # its dtype enumeration, largest first); tests/test_export_stream.py checks the bytes against save_file's
@@ -126,19 +132,14 @@ class _Tensor:
         numel = step
         storage = _Storage(self.entry.dtype, numel, self.key)
         args: tuple[Any, ...] = (storage, 0, tuple(shape), tuple(reversed(stride)), False, collections.OrderedDict())
-        if self.entry.dtype in torch.storage._new_dtypes():
-            return (torch._utils._rebuild_tensor_v3, (*args, self.entry.dtype))
-        return (torch._utils._rebuild_tensor_v2, args)
+        return tensor_pickle_reduction(self.entry.dtype, args)
 
 
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, _Storage):
             return None
-        if obj.dtype in torch.storage._new_dtypes():  # an UntypedStorage of bytes, as torch.save references it
-            return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
-        typed = torch.empty(0, dtype=obj.dtype)._typed_storage()
-        return ("storage", getattr(torch, typed._pickle_storage_type()), obj.key, "cpu", obj.numel)
+        return storage_pickle_reference(obj.dtype, obj.numel, obj.key)
 
 
 def pth_pickle(planned: Sequence[Planned], keys: dict[str, str]) -> bytes:
@@ -217,8 +218,8 @@ def _write_all(
     with contextlib.ExitStack() as stack:
         zip_writer = None
         if "pth" in files:  # torch.save's records before the storages (torch.serialization._save)
-            zip_writer = stack.enter_context(torch.serialization._open_zipfile_writer(files["pth"]))
-            alignment = str(torch.serialization._get_storage_alignment())
+            zip_writer = stack.enter_context(open_zipfile_writer(files["pth"]))
+            alignment = str(storage_alignment())
             records = (("data.pkl", pth_pickle(planned, keys)), (".format_version", "1"),
                        (".storage_alignment", alignment), ("byteorder", sys.byteorder))  # fmt: skip
             for name, record in records:

@@ -22,9 +22,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -37,11 +35,18 @@ from torch.distributed.checkpoint.metadata import (
 
 from perdure.checkpoints.safe_unpickle import BlockedGlobalError, _refusal, load_torch_bytes
 from perdure.errors import CheckpointError
+from perdure.private_api import (
+    dcp_mem_format_encoding,
+    dcp_set_element,
+    dcp_storage_info_class,
+    serialization_get_layout,
+)
 from perdure.safe_io import UnsafeFileError, read_regular, safe_name
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
 SHARD_NAME = re.compile(r"^__\d+_\d+\.distcp$")
+DcpStorageInfo = dcp_storage_info_class()  # what DCP's metadata maps each index to (a private class of DCP)
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -56,10 +61,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
         TensorProperties,
     )
 }
-_ALLOWED[(_DCP_METADATA, "_MEM_FORMAT_ENCODING")] = torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING
-_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+_ALLOWED[(_DCP_METADATA, "_MEM_FORMAT_ENCODING")] = dcp_mem_format_encoding()
+_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = DcpStorageInfo
 _ALLOWED[("torch", "Size")] = torch.Size
-_ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a lookup of torch's layouts
+_ALLOWED[("torch.serialization", "_get_layout")] = serialization_get_layout()  # a lookup of torch's layouts
 # StorageMeta.checkpoint_id is the path it was saved to; constructing a path object runs nothing.
 for _module in ("pathlib", "pathlib._local"):
     for _name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
@@ -69,7 +74,7 @@ for _module in ("pathlib", "pathlib._local"):
 # The classes whose instances pickle fills in with BUILD (their `__dict__`, or TensorProperties' `__setstate__`).
 _BUILDABLE = frozenset(
     (Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
-     TensorProperties, _StorageInfo)
+     TensorProperties, DcpStorageInfo)
 )  # fmt: skip
 
 
@@ -230,7 +235,7 @@ def _check_metadata(path: Path, metadata: Any, shards: dict[str, int]) -> None:
         ):
             raise bad(f"entry {safe_name(key)} has malformed chunks")
     for index, info in metadata.storage_data.items():
-        if type(index) is not MetadataIndex or not isinstance(index.fqn, str) or type(info) is not _StorageInfo:
+        if type(index) is not MetadataIndex or not isinstance(index.fqn, str) or type(info) is not DcpStorageInfo:
             raise bad("a storage entry is not a MetadataIndex -> _StorageInfo pair")
         name = info.relative_path
         if not isinstance(name, str) or name not in shards:
@@ -257,7 +262,7 @@ class RestrictedLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         obj = load_torch_bytes(value, f"entry {fqn!r} of DCP checkpoint {self.checkpoint}")
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            dcp_set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
 

@@ -34,6 +34,8 @@ from typing import Protocol
 
 import torch
 
+from perdure.private_api import storage_from_shared_fd
+
 logger = logging.getLogger("perdure")
 
 CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (host buffer, source tensor)
@@ -100,8 +102,7 @@ def shared_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     try:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)
-        # A private torch API that its stubs do not list; maps a duplicate of the descriptor.
-        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
+        storage = storage_from_shared_fd(fd, nbytes)  # maps a duplicate of the descriptor
     finally:
         os.close(fd)
     # torch's stubs require `stride`, which defaults to the contiguous one.

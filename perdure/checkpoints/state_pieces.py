@@ -28,6 +28,12 @@ import torch
 from torch import nn
 
 from perdure.errors import CheckpointError
+from perdure.private_api import (
+    has_state_dict_hooks,
+    run_state_dict_pre_hooks,
+    save_own_state,
+    saves_own_state_as_module_does,
+)
 from perdure.runners.compile import plain_name, uncompiled
 
 
@@ -50,10 +56,9 @@ class StatePiece:
     def _raw_state(self, keep_vars: bool) -> dict[str, Any]:
         if self.hooked:
             return dict(self.module.state_dict(prefix=self.prefix, keep_vars=keep_vars))
-        for hook in self.module._state_dict_pre_hooks.values():
-            hook(self.module, self.prefix, keep_vars)
+        run_state_dict_pre_hooks(self.module, self.prefix, keep_vars)
         destination: dict[str, Any] = OrderedDict()
-        self.module._save_to_state_dict(destination, self.prefix, keep_vars)
+        save_own_state(self.module, destination, self.prefix, keep_vars)
         return dict(destination)
 
     def load(self, state: dict[str, Any]) -> None:
@@ -70,9 +75,9 @@ def is_hooked(module: nn.Module) -> bool:
     """Whether `module` may change its subtree's state-dict entries (see the module docstring)."""
     kind = type(module)
     return (
-        bool(module._state_dict_hooks)
+        has_state_dict_hooks(module)
         or kind.state_dict is not nn.Module.state_dict
-        or kind._save_to_state_dict is not nn.Module._save_to_state_dict
+        or not saves_own_state_as_module_does(kind)
     )
 
 

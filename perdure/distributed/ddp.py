@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from perdure.private_api import push_all_rebuilt_params
+
 
 class FixedLayoutDDP(DistributedDataParallel):
     """DistributedDataParallel with the bucket layout fixed at construction (see the module docstring).
@@ -34,7 +36,7 @@ class FixedLayoutDDP(DistributedDataParallel):
         # Marks every parameter as "seen" in index order, so the reducer rebuilds its buckets from that order at the
         # first forward (before any all-reduce) instead of from the first backward's order after it; a reducer that
         # never rebuilds (find_unused_parameters without static_graph) keeps its initial layout, fixed as well.
-        self.reducer._push_all_rebuilt_params()
+        push_all_rebuilt_params(self.reducer)
 
     def _build_params_for_reducer(self) -> tuple[list[torch.nn.Parameter], list[bool]]:
         # The reducer's parameter indices, in reverse definition order: the order the layout is built from.

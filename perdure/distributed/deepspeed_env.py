@@ -15,6 +15,7 @@ from types import ModuleType
 import torch
 
 from perdure.errors import ConfigError, PerdureError
+from perdure.private_api import disable_deepspeed_op
 
 SHM_COMM_OP = "deepspeed_shm_comm"
 
@@ -31,7 +32,7 @@ def import_deepspeed() -> ModuleType:
             f"stack=deepspeed needs DeepSpeed ({error}); install it with "
             "DS_BUILD_OPS=0 pip install 'perdure[deepspeed]'"
         ) from None
-    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # read by DeepSpeed's comm backend when it initialises
+    disable_deepspeed_op(SHM_COMM_OP)  # read by DeepSpeed's comm backend when it initialises
     # DeepSpeed 0.19.8 gathers and scatters ZeRO partitions with collectives torch 2.13 calls deprecated, warning at
     # every step: DeepSpeed's warnings, not the user's.
     warnings.filterwarnings(

@@ -235,8 +235,10 @@ def device_mesh(topology: Topology, device_type: str) -> Any:
     context > 1. Collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from perdure.private_api import flatten_mesh_dims
+
     axes, sizes = zip(*topology.mesh_dims())
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=tuple(MESH_NAMES[axis] for axis in axes))
     if topology.context > 1:
-        mesh["dp_shard", "cp"]._flatten(FSDP_CONTEXT_MESH)
+        flatten_mesh_dims(mesh, ("dp_shard", "cp"), FSDP_CONTEXT_MESH)
     return mesh

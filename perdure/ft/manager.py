@@ -29,6 +29,7 @@ from torch import nn
 from perdure.checkpoints.snapshot import is_dtensor, local_part
 from perdure.errors import PerdureError
 from perdure.ft.ports import host_port, manager_server_on, own_address, rebind_transport, store_on
+from perdure.private_api import flatten_dense_tensors, streaming_load, tree_map, unflatten_dense_tensors
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -58,8 +59,6 @@ class QuorumError(PerdureError):
 
 
 def _transport_class() -> type:
-    from torch.distributed._serialization import _streaming_load
-    from torch.utils._pytree import tree_map
     from torchft.checkpointing import HTTPTransport
 
     class RestrictedHTTPTransport(HTTPTransport):
@@ -77,7 +76,7 @@ def _transport_class() -> type:
                 raise HealRefusedError(f"a peer offered its state at {address!r}, which is not an http(s) address")
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
                 try:
-                    state = _streaming_load(response, weights_only=True)
+                    state = streaming_load(response, weights_only=True)
                 except pickle.UnpicklingError as error:  # torch's allow-list refused a global; the message names it
                     raise HealRefusedError(
                         f"the state the peer at {address} sent to heal this group holds more than tensors and plain "
@@ -205,13 +204,13 @@ class GradientAverager:
             grads.append(
                 [local_part(p.grad) if p.grad is not None else torch.zeros_like(local_part(p)) for p in bucket]
             )
-            flat = torch._utils._flatten_dense_tensors(grads[-1])
+            flat = flatten_dense_tensors(grads[-1])
             flats.append(flat)
             works.append(manager.allreduce(flat))
         for work in works:
             work.wait()
         for bucket, flat, shapes in zip(self.buckets, flats, grads):
-            for parameter, averaged in zip(bucket, torch._utils._unflatten_dense_tensors(flat, shapes)):
+            for parameter, averaged in zip(bucket, unflatten_dense_tensors(flat, shapes)):
                 if parameter.grad is not None:
                     local_part(parameter.grad).copy_(averaged)
                 elif is_dtensor(parameter):

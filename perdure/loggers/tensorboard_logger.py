@@ -62,12 +62,14 @@ class TensorBoardLogger(MetricLogger):
     def log_image(self, tag: str, image: np.ndarray, step: int, index: int = 0) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
+        from perdure.private_api import tensorboard_file_writer
+
         array = to_image_array(image)
         height, width, channels = array.shape
         picture = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=encode_png(array))
         name = tag if index == 0 else f"{tag}_{index}"
         summary = Summary(value=[Summary.Value(tag=name, image=picture)])
-        self.writer._get_file_writer().add_summary(summary, global_step=int(step))
+        tensorboard_file_writer(self.writer).add_summary(summary, global_step=int(step))
 
     def flush(self, durable: bool = False) -> None:
         if self.writer is not None:

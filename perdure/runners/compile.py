@@ -12,15 +12,16 @@ round; the wrapper shares its parameters with the module it wraps, so loading in
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import torch
 from torch import nn
 
+from perdure.private_api import compiled_original, is_compiled_in_place, is_compiled_wrapper
+
 if TYPE_CHECKING:
-    from torch._dynamo.eval_frame import OptimizedModule
+    from perdure.private_api import OptimizedModule
 
 COMPILE_PREFIX = "_orig_mod."
 V = TypeVar("V")
@@ -29,7 +30,7 @@ V = TypeVar("V")
 def compile_model(module: nn.Module, config: Any) -> nn.Module:
     """Compile `module` in place with `compile.backend` and `compile.mode` when `compile.enabled` (a module the user
     already compiled is left as it is); returns `module`. Compilation itself happens at the first call."""
-    if config.compile.enabled and not is_compiled(module) and module._compiled_call_impl is None:
+    if config.compile.enabled and not is_compiled(module) and not is_compiled_in_place(module):
         module.compile(backend=config.compile.backend, mode=config.compile.mode)
     return module
 
@@ -37,14 +38,13 @@ def compile_model(module: nn.Module, config: Any) -> nn.Module:
 def is_compiled(module: nn.Module) -> TypeGuard[OptimizedModule]:
     """Whether `module` is a `torch.compile` wrapper (`OptimizedModule`). Without importing dynamo: nothing can be
     compiled before it is imported."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+    return is_compiled_wrapper(module)
 
 
 def uncompiled(module: nn.Module) -> nn.Module:
     """The module a `torch.compile` wrapper (or several) holds; `module` itself when it is not compiled."""
     while is_compiled(module):
-        module = module._orig_mod
+        module = compiled_original(module)
     return module
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from perdure.private_api import foreach_lerp_
 from perdure.runners.compile import plain_state_dict
 
 
@@ -22,7 +23,7 @@ def average_into(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], decay: floa
         else:
             shadow.copy_(value)
     if averaged:
-        torch._foreach_lerp_(averaged, targets, 1.0 - decay)
+        foreach_lerp_(averaged, targets, 1.0 - decay)
 
 
 class ExponentialMovingAverage:

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from perdure.errors import ConfigError, PerdureError
+from perdure.private_api import TorchDispatchMode
 from perdure.runners.rebind import unwrapped_name
 
 aten = torch.ops.aten

@@ -44,6 +44,8 @@ from perdure.distributed.grad_norm import clip_grad_norm
 from perdure.distributed.process_group import init_process_group, select_backend
 from perdure.distributed.topology import FSDP_CONTEXT_MESH, Topology, device_mesh
 from perdure.errors import ConfigError, PerdureError
+from perdure.private_api import compiled_original
+from perdure.runners.compile import is_compiled
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.export import StreamSource, module_source
 from perdure.runners.loss_parallel import local_loss, loss_context
@@ -156,8 +158,8 @@ class ParallelRunner(TorchRunner):
         """Shard the whole model the user built (see the module docstring for the order), then rebuild the optimizer
         over this rank's parameters, rebind the scheduler and rebuild the EMA."""
         model = self.model
-        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # compiled by hand: compile.* applies per block
-            model = model._orig_mod
+        if is_compiled(model):  # compiled by hand: compile.* applies per block
+            model = compiled_original(model)
         slots = parameter_slots(self.optimizer, model)  # where each parameter lives, found again after sharding
         meta = is_meta_model(model)  # built on the meta device: each rank allocates its shards once they are cut
         pretrained = None  # `--pretrained`: names and shapes checked on the whole model, read into the shards below

@@ -32,13 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from perdure.checkpoints.hf_adapter import StateDictAdapter
 from perdure.checkpoints.state_pieces import made_by_hooks, own_tensors, state_pieces
 from perdure.checkpoints.weights_fit import check_weights_fit
 from perdure.checkpoints.weights_slices import Region, WeightSlices, region_of
 from perdure.errors import PerdureError
+from perdure.private_api import compute_local_shape_and_global_offset
 
 
 class PretrainedPlan:

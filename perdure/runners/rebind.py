@@ -17,7 +17,6 @@ is caught by the coverage check (`perdure.runners.param_coverage`) before the fi
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from perdure.errors import PerdureError
+from perdure.private_api import chained_schedulers, mark_lr_scheduler_step
 
 # Module names that wrappers put between a module and its children; a parameter's identity does not include them.
 WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
@@ -118,19 +118,11 @@ def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.opti
         current = pending.pop()
         if current.optimizer is old:
             current.optimizer = new
-        pending.extend(vars(current).get("_schedulers", []))
+        pending.extend(chained_schedulers(current))
     _count_steps(new)
 
 
 def _count_steps(optimizer: torch.optim.Optimizer) -> None:
     """What an LRScheduler does to the optimizer it is built with (it checks that `optimizer.step()` runs before its
     own `step()`, and warns otherwise): mark the new optimizer's steps the same way."""
-    step = optimizer.step
-
-    @functools.wraps(step)
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = counted  # type: ignore[method-assign]
+    optimizer.step = mark_lr_scheduler_step(optimizer, optimizer.step)  # type: ignore[method-assign]

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from perdure.checkpoints.state_pieces import StatePiece, state_pieces
 from perdure.distributed.collectives import all_ranks
 from perdure.errors import CheckpointStateError
+from perdure.private_api import load_own_state
 from perdure.runners.pipeline import ModelParts
 from perdure.runners.zero3_pretrained import hooks_run_whole
 
@@ -92,8 +93,7 @@ def _load_own(piece: StatePiece, state: dict[str, Any]) -> None:
     missing: list[str] = []
     unexpected: list[str] = []
     errors: list[str] = []
-    metadata = {"version": module._version}
-    module._load_from_state_dict(raw, piece.prefix, metadata, True, missing, unexpected, errors)
+    load_own_state(module, raw, piece.prefix, missing, unexpected, errors)
     if missing or unexpected or errors:
         problems = [*errors, *(f"missing {key}" for key in missing), *(f"unexpected {key}" for key in unexpected)]
         raise RuntimeError("; ".join(problems))

@@ -15,6 +15,7 @@ from perdure.distributed.collectives import max_each_over_ranks
 from perdure.distributed.ddp import FixedLayoutDDP
 from perdure.distributed.process_group import init_process_group, local_device
 from perdure.errors import ConfigError
+from perdure.private_api import non_finite_check_and_unscale_
 from perdure.runners.accumulation import check_loss_normalization
 from perdure.runners.base import BaseRunner
 from perdure.runners.compile import compile_model, uncompiled
@@ -196,14 +197,14 @@ class TorchRunner(BaseRunner):
         if self._grads_on_one_device is None:  # looked at once, as above
             self._grads_on_one_device = all(grad.device == device for grad in grads)
         if self._grads_on_one_device:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, unit)
+            non_finite_check_and_unscale_(grads, found, unit)
         else:  # gradients on several devices (a model split by hand): one pass per device
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for grad in grads:
                 by_device.setdefault(grad.device, []).append(grad)
             for other, group in by_device.items():
                 flag = torch.zeros(1, device=other)
-                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, unit.to(other))
+                non_finite_check_and_unscale_(group, flag, unit.to(other))
                 found.add_(flag.to(device))
         if found.item():
             found.zero_()
