@@ -126,6 +126,7 @@ def download_checkpoint(store: MirrorStore, name: str, root: Path) -> Path:
         write_file(staging / MANIFEST_NAME, lambda file: file.write(data))
         for directory, _, _ in os.walk(staging, topdown=False):
             fsync_dir(Path(directory))
+        # A whole directory, committed as commit.py commits a local save: not a small file, so not perdure/atomic.py.
         os.rename(staging, final)
         fsync_dir(final.parent)
     except BaseException:
