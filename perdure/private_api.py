@@ -35,6 +35,7 @@ __all__ = [
     "DCP_EXECUTOR_MODULE",
     "TorchDispatchMode",
     "chained_schedulers",
+    "child_modules",
     "compiled_original",
     "compute_local_shape_and_global_offset",
     "dcp_checkpoint_process",
@@ -54,6 +55,8 @@ __all__ = [
     "mark_lr_scheduler_step",
     "non_finite_check_and_unscale_",
     "open_zipfile_writer",
+    "own_buffers",
+    "own_parameters",
     "push_all_rebuilt_params",
     "run_state_dict_pre_hooks",
     "save_own_state",
@@ -138,7 +141,23 @@ def is_compiled_in_place(module: nn.Module) -> bool:
     return module._compiled_call_impl is not None
 
 
-# ---- module state dicts ----------------------------------------------------------------------------------------------
+# ---- a module's own members ------------------------------------------------------------------------------------------
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    # nn.Module._parameters: `module`'s own parameters by attribute name (None: registered as None), the dict itself,
+    # so that a write re-registers one; torch 2.13.
+    return module._parameters
+
+
+def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    # nn.Module._buffers: `module`'s own buffers by attribute name, the dict itself (a write replaces one); torch 2.13.
+    return module._buffers
+
+
+def child_modules(module: nn.Module) -> dict[str, nn.Module | None]:
+    # nn.Module._modules: `module`'s direct children by attribute name, None ones included; torch 2.13.
+    return module._modules
 
 
 def has_state_dict_hooks(module: nn.Module) -> bool:

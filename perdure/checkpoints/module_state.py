@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from perdure.private_api import own_buffers, own_parameters
 from perdure.runners.compile import plain_name, strip_compile_prefix, uncompiled
 
 
@@ -66,15 +67,14 @@ def as_module_state_dict(module: nn.Module, weights: Mapping[str, torch.Tensor])
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for submodule in target.modules():
-            held: tuple[dict[str, Any], ...] = (submodule._parameters, submodule._buffers)
+            parameters = own_parameters(submodule)
+            held: tuple[dict[str, Any], ...] = (parameters, own_buffers(submodule))
             for slots in held:
                 for attribute, tensor in slots.items():
                     if tensor is not None and id(tensor) in by_id:
                         swapped.append((slots, attribute, tensor))
                         new = by_id[id(tensor)]
-                        slots[attribute] = (
-                            nn.Parameter(new, requires_grad=False) if slots is submodule._parameters else new
-                        )
+                        slots[attribute] = nn.Parameter(new, requires_grad=False) if slots is parameters else new
         state = strip_compile_prefix(target.state_dict())
         return {
             key: value.detach().clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()

@@ -29,6 +29,7 @@ from torch import nn
 
 from perdure.errors import CheckpointError
 from perdure.private_api import (
+    child_modules,
     has_state_dict_hooks,
     run_state_dict_pre_hooks,
     save_own_state,
@@ -91,7 +92,7 @@ def _pieces(module: nn.Module, prefix: str) -> Iterator[StatePiece]:
         yield StatePiece(module, prefix, hooked=True)
         return
     yield StatePiece(module, prefix, hooked=False)
-    for name, child in module._modules.items():
+    for name, child in child_modules(module).items():
         if child is not None:
             yield from _pieces(child, f"{prefix}{name}.")
 

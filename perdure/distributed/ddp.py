@@ -39,6 +39,8 @@ class FixedLayoutDDP(DistributedDataParallel):
         push_all_rebuilt_params(self.reducer)
 
     def _build_params_for_reducer(self) -> tuple[list[torch.nn.Parameter], list[bool]]:
+        # Overrides DDP's private _build_params_for_reducer (torch 2.13): a method of the subclass, which no function of
+        # perdure/private_api.py can stand for; tests/distributed/test_ddp_layout.py fails when torch changes it.
         # The reducer's parameter indices, in reverse definition order: the order the layout is built from.
         parameters, expect_sparse_gradient = super()._build_params_for_reducer()
         return parameters[::-1], expect_sparse_gradient[::-1]

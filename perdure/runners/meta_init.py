@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from perdure.errors import ConfigError, PerdureError
-from perdure.private_api import TorchDispatchMode
+from perdure.private_api import TorchDispatchMode, own_buffers, own_parameters
 from perdure.runners.rebind import unwrapped_name
 
 aten = torch.ops.aten
@@ -74,7 +74,7 @@ def check_initialisable(model: nn.Module) -> None:
         return
     bare = []
     for name, module in model.named_modules():
-        owned = [*module._parameters.items(), *module._buffers.items()]
+        owned = [*own_parameters(module).items(), *own_buffers(module).items()]
         meta = [attribute for attribute, tensor in owned if tensor is not None and tensor.is_meta]
         if meta and not callable(_method(module, "reset_parameters")):
             where = unwrapped_name(name) or "the model"
@@ -108,12 +108,12 @@ def _materialise(part: nn.Module, device: torch.device) -> None:
     kept = [
         (module, name, tensor)
         for module in part.modules()
-        for name, tensor in module._buffers.items()
+        for name, tensor in own_buffers(module).items()
         if tensor is not None and not tensor.is_meta and not isinstance(tensor, DTensor)
     ]
     part.to_empty(device=device)
     for module, name, tensor in kept:
-        module._buffers[name] = tensor.to(device)
+        own_buffers(module)[name] = tensor.to(device)
 
 
 @torch.no_grad()

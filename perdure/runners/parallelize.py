@@ -24,6 +24,7 @@ from torch import nn
 
 from perdure.distributed.topology import FSDP_CONTEXT_MESH, MESH_NAMES, MESH_ORDER, MODEL_AXES, Topology
 from perdure.errors import ConfigError, PerdureError
+from perdure.private_api import child_modules
 
 BLOCK_CONTAINERS = ("layers", "blocks")
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,7 +33,7 @@ PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The children of the model's `layers` / `blocks` container (ModuleDict or ModuleList), else none."""
     for name in BLOCK_CONTAINERS:
-        container = model._modules.get(name)
+        container = child_modules(model).get(name)
         if isinstance(container, (nn.ModuleDict, nn.ModuleList)):
             return [block for block in container.children()]
     return []

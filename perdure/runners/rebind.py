@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from perdure.errors import PerdureError
-from perdure.private_api import chained_schedulers, mark_lr_scheduler_step
+from perdure.private_api import chained_schedulers, mark_lr_scheduler_step, own_parameters
 
 # Module names that wrappers put between a module and its children; a parameter's identity does not include them.
 WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
@@ -53,7 +53,7 @@ def parameter_slots(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[
     a tensor the model does not have, or that already has state (it stepped before the model was sharded)."""
     slots: dict[int, ParameterSlot] = {}
     for module_name, module in model.named_modules():
-        for attribute, parameter in module._parameters.items():
+        for attribute, parameter in own_parameters(module).items():
             if parameter is not None and id(parameter) not in slots:
                 name = unwrapped_name(f"{module_name}.{attribute}" if module_name else attribute)
                 slots[id(parameter)] = ParameterSlot(module, attribute, name)
@@ -106,7 +106,7 @@ def _new_parameter(slot: ParameterSlot, modules: set[int], by_name: dict[str, nn
     """The parameter now in `slot`: the module's own when the module is still in the sharded tree, else (a stage
     copied from the model) the one of the same name, else None (another rank's stage holds it)."""
     if id(slot.module) in modules:
-        return slot.module._parameters.get(slot.attribute)
+        return own_parameters(slot.module).get(slot.attribute)
     return by_name.get(slot.name)
 
 
