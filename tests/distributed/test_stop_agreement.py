@@ -30,9 +30,9 @@ def agreed_at_each_check(
     period: float = 0.0,
 ) -> list[int]:
     """`steps` steps of `step_seconds`; a log line every `log_every`; rank 1 holds SIGTERM from step `signal_at`
-    on; the agreed signal at each step's check, then the checks' period set by the first log line. `finite_check`: each step's ranks agree on
-    their gradients first (the parallel stack's `agree_finite`), in a collective that carries the signal. Steps of
-    no time check every step; `period` sets how often pipelined checks start a collective."""
+    on; the agreed signal at each step's check, then the checks' period set by the first log line. `finite_check`:
+    each step's ranks agree on their gradients first (the parallel stack's `agree_finite`), in a collective that
+    carries the signal. `period` sets how often pipelined checks start a collective (0: every check)."""
     if slow_steps:  # steps longer than the bound: every check agrees at once
         stragglers.PIPELINED_BELOW_S = 0.0
     stragglers.CHECK_PERIOD_S = period
