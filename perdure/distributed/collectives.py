@@ -56,10 +56,11 @@ def max_each_over_ranks(values: list[int]) -> list[int]:
 
 
 def host_group() -> dist.ProcessGroup | None:
-    """A group of every rank whose collectives run on host tensors, so that reading a result never waits for a GPU:
-    None (the default group) when that is gloo, else a gloo group made now, a collective: every rank calls this at
-    the same point."""
-    if not is_distributed() or dist.get_backend() == "gloo":
+    """A gloo group of every rank, made now (a collective: every rank calls this at the same point), for collectives
+    on host tensors that run beside the training's: reading a result never waits for a GPU, and one left pending
+    never holds a worker thread of the group the training's own asynchronous collectives use (ZeRO-3's prefetching
+    all-gathers on gloo). None without several ranks."""
+    if not is_distributed():
         return None
     return dist.new_group(backend="gloo")
 

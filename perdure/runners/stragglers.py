@@ -18,12 +18,14 @@ min, median and max time per step.
 
 The stop check between log lines costs no wait once the steps are known to be short. A blocking all-reduce after
 every step would make every rank wait for the slowest one more time per step than the training itself does (and, on
-NCCL, wait for the GPU). So the check runs on host tensors (a gloo group) and, when the slowest rank's wall time per
-step at the last log line was under `PIPELINED_BELOW_S`, it is started after one step and read at the next check:
-every rank still stops at the same step, shortly after the signal instead of at once. Steps much shorter than
-`CHECK_PERIOD_S` are checked every so many steps (as many as take that long), so that tiny steps do not pay a
-collective each. Longer steps (and the steps before
-the first log line) agree at once, so that a stop never waits a long step for it.
+NCCL, wait for the GPU). So the check runs on host tensors in a gloo group of its own (beside the training's
+collectives) and, when the slowest rank's wall time per step at the last log line was under `PIPELINED_BELOW_S`, it
+is started after one step and read at the next check: every rank still stops at the same step, shortly after the
+signal instead of at once. Steps much shorter than `CHECK_PERIOD_S` are checked every so many steps (as many as take
+that long), so that tiny steps do not pay a collective each. Longer steps (and the steps before
+the first log line) agree at once, so that a stop never waits a long step for it. A step whose ranks agree on
+something else anyway (whether their gradient shards are finite) carries the signal in that collective, and its stop
+check starts none (`agreed_at_this_step`).
 """
 
 from __future__ import annotations
