@@ -28,7 +28,7 @@ from perdure.resilience.hang_watch import watched_phase
 from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
 from perdure.runners.export import StreamSource, export_streamed, export_weights, read_weights, save_safetensors
 from perdure.runners.fields import RunnerFields
-from perdure.runners.hf_export import check_hf_export, export_hf, hf_metadata, hf_requested
+from perdure.runners.hf_export import check_hf_export, export_hf, hf_metadata, hf_requested, write_whole_weights
 from perdure.runners.losses import losses_as_floats
 from perdure.runners.rng import RNGState, derived_seed, seed_everything
 from perdure.safe_io import read_yaml
@@ -355,6 +355,30 @@ class CheckpointingMixin(RunnerFields):
         other model through `state_dict_adapter().to_hf` and `hf_config()`. Sharded models are written shard by shard
         (runners/hf_export.py). Called on every rank (collective); returns the directory on the main process."""
         return export_hf(self, None if target is None else Path(target))
+
+    def write_hf_weights(self, staging: Path, ema: bool) -> None:
+        """Write the weights of the `hf` export (the model's, or its EMA's when `ema`) into `staging`: the
+        safetensors files (and their index), or everything `save_pretrained` writes. Each stack overrides it with the
+        way its weights are reached (parallel_runner.py: shard by shard; deepspeed_runner.py: tensor by tensor), using
+        the functions of runners/hf_export.py.
+
+        Called by `export_hf` on every rank, once for the model, then once for the EMA when there is one, after
+        training or on a runner built by `from_checkpoint`; a stack may take part in collectives here, and then every
+        rank must make the same calls. It may not change the model, the EMA or the runner's state, and may write only
+        into `staging`: the export writes `config.json` there when this did not, and publishes the directory.
+
+        Default (one process, DDP): the main process holds the full weights (`plain_state_dict`, the EMA's
+        `weights()`) and writes them (`write_whole_weights`: a `PreTrainedModel` without an adapter through its own
+        `save_pretrained`); the other ranks write nothing.
+        """
+        if not self.is_main_process:
+            return
+        if ema:
+            assert self.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
+            weights = self.ema.weights()
+        else:
+            weights = plain_state_dict(self.unwrap_model())
+        write_whole_weights(self, staging, weights, self.state_dict_adapter())
 
     def _check_hf_export(self) -> None:
         """In `__post_init__`: refuse `ckpt.export_format: [hf]` for a model with no Hugging Face config."""

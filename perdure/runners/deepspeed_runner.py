@@ -50,6 +50,7 @@ from perdure.runners.compile import strip_compile_prefix, uncompiled
 from perdure.runners.deepspeed_config import engine_config
 from perdure.runners.ema import ExponentialMovingAverage, average_into
 from perdure.runners.export import StreamSource, export_streamed
+from perdure.runners.hf_export import export_dtype, stream_weights, tied_keys, write_whole_weights
 from perdure.runners.pretrained_shards import describe_reads, load_shards, plan_pretrained
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
 from perdure.runners.zero3_export import zero3_source
@@ -245,6 +246,33 @@ class DeepSpeedRunner(TorchRunner):
             if self.is_main_process:
                 self.write_exports(None, ema)
         return written
+
+    def write_hf_weights(self, staging: Path, ema: bool) -> None:
+        """The `hf` export's weights (the override point's contract: checkpointing.py), tensor by tensor
+        (`zero3_source`, as `model.pth`): every rank gathers one fp32 parameter, or one hooked module's state dict,
+        and rank 0 appends each tensor to its shard file (`stream_weights`). With an adapter, `to_hf` needs the
+        whole state dict: gathered on rank 0, one tensor at a time. The EMA's `weights()` (a ZeRO-3 EMA gathers its
+        partitions: every rank takes part). Never through `save_pretrained`: a ZeRO-3 module holds only its
+        partition. A collective: every rank calls it."""
+        adapter = self.state_dict_adapter()
+        if ema:
+            assert self.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
+            weights = self.ema.weights()
+        else:
+            module = self.unwrap_model()  # the engine's module
+            source = zero3_source(module)
+            tied = set(tied_keys(uncompiled(module)))
+            if adapter is None:
+                stream_weights(self, source, tied, staging, export_dtype(self))
+                return
+            weights = {}  # to_hf maps the whole state dict: gathered on the main process, one tensor at a time
+            for name in source.shapes:
+                if name not in tied:
+                    tensor = source.whole(name)  # a collective: every rank takes every name
+                    if self.is_main_process:
+                        weights[name] = tensor.cpu()
+        if self.is_main_process:
+            write_whole_weights(self, staging, weights, adapter, save_pretrained=False)
 
 
 class _PartitionedEMA(ExponentialMovingAverage, StreamedState):

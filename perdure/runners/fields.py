@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from perdure.checkpoints.base import CheckpointManager, Stateful
+    from perdure.checkpoints.hf_adapter import StateDictAdapter
     from perdure.checkpoints.resolve import CheckpointInfo
     from perdure.checkpoints.source import RestoreSource
     from perdure.config import RunnerConfig
@@ -181,6 +182,15 @@ class RunnerFields:
         raise NotImplementedError
 
     def export_hf(self, target: str | Path | None = None) -> Path | None:
+        raise NotImplementedError
+
+    def state_dict_adapter(self) -> StateDictAdapter | None:
+        raise NotImplementedError
+
+    def hf_config(self) -> Any:
+        raise NotImplementedError
+
+    def write_hf_weights(self, staging: Path, ema: bool) -> None:
         raise NotImplementedError
 
     def _position_name(self) -> str:

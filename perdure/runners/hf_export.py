@@ -1,7 +1,9 @@
 """The `hf` export: `<run dir>/hf/` (and `hf-ema/` with EMA), a directory `transformers.AutoModel*.from_pretrained`
 loads, written at the end of training when `ckpt.export_format` includes `hf`.
 
-How the weights get there depends on where they live (the bytes and the directory's layout: checkpoints/hf_export.py):
+How the weights get there depends on where they live (the bytes and the directory's layout: checkpoints/hf_export.py),
+so each stack writes its own through its override point `write_hf_weights` (checkpointing.py, parallel_runner.py,
+deepspeed_runner.py), with the functions here; this module imports no stack:
 
     one process, DDP         the main process holds the full weights: a `transformers.PreTrainedModel` writes them
                              through its own `save_pretrained(state_dict=...)`; any other model through its adapter's
@@ -51,21 +53,22 @@ from perdure.checkpoints.state_pieces import made_by_hooks, own_tensors, state_p
 from perdure.distributed.collectives import all_gather_object, barrier, broadcast_object, is_distributed
 from perdure.errors import ConfigError
 from perdure.runners.compile import plain_name, uncompiled
-from perdure.runners.export import EXPORT_DTYPES, StreamSource, cast_weights, module_source
+from perdure.runners.export import EXPORT_DTYPES, StreamSource, cast_weights
 
 if TYPE_CHECKING:
-    from perdure.runners.checkpointing import CheckpointingMixin
+    from perdure.checkpoints.hf_adapter import StateDictAdapter
+    from perdure.runners.fields import RunnerFields
 
 HF_DIR, HF_EMA_DIR = "hf", "hf-ema"
 SHARDED_DIR = "sharded"  # where HuggingFaceStorageWriter puts each rank's files before consolidating them
 
 
-def hf_requested(runner: CheckpointingMixin) -> bool:
+def hf_requested(runner: RunnerFields) -> bool:
     formats = runner.config.ckpt.export_format
     return "hf" in ([formats] if isinstance(formats, str) else formats)
 
 
-def check_hf_export(runner: CheckpointingMixin) -> None:
+def check_hf_export(runner: RunnerFields) -> None:
     """Before anything is written: a model that is not a `transformers.PreTrainedModel` can be exported as `hf` only
     with the config its program gives (`hf_config()`)."""
     if not hf_requested(runner) or is_hf_model(uncompiled(runner.model)):
@@ -83,7 +86,7 @@ def check_hf_export(runner: CheckpointingMixin) -> None:
     check_hf_config(config, f"{name}.hf_config()")
 
 
-def hf_metadata(runner: CheckpointingMixin) -> str:
+def hf_metadata(runner: RunnerFields) -> str:
     """`hf.json` of each checkpoint: what `perdure ckpt export --format hf` needs besides the weights."""
     model = uncompiled(runner.unwrap_model())
     config, generation = _configs(runner)
@@ -119,7 +122,7 @@ def tied_keys(model: torch.nn.Module) -> list[str]:
     return tied
 
 
-def _configs(runner: CheckpointingMixin) -> tuple[Any, Any]:
+def _configs(runner: RunnerFields) -> tuple[Any, Any]:
     """(config, generation config or None): the model's own for a PreTrainedModel (naming its class in
     `architectures`, as `save_pretrained` does), else `hf_config()`'s."""
     model = uncompiled(runner.unwrap_model())
@@ -130,7 +133,7 @@ def _configs(runner: CheckpointingMixin) -> tuple[Any, Any]:
     return runner.hf_config(), None
 
 
-def export_hf(runner: CheckpointingMixin, target: Path | None = None) -> Path | None:
+def export_hf(runner: RunnerFields, target: Path | None = None) -> Path | None:
     """Write the `hf` export of the model (`target`, default `<run dir>/hf`) and of its EMA weights (`hf-ema` beside
     it). Called on every rank (a sharded model is written collectively); returns the model's directory on the main
     process, None on the others."""
@@ -145,7 +148,7 @@ def export_hf(runner: CheckpointingMixin, target: Path | None = None) -> Path | 
         assert shared is not None  # every rank receives the main process's
         staging = Path(shared)
         try:
-            _write_weights(runner, staging, ema)
+            runner.write_hf_weights(staging, ema)
             if runner.is_main_process:
                 if not (staging / "config.json").exists():
                     write_config(staging, config, generation)
@@ -162,72 +165,38 @@ def export_hf(runner: CheckpointingMixin, target: Path | None = None) -> Path | 
     return None
 
 
-def _write_weights(runner: CheckpointingMixin, staging: Path, ema: bool) -> None:
-    from perdure.runners.deepspeed_runner import DeepSpeedRunner
-    from perdure.runners.parallel_runner import ParallelRunner
+def export_dtype(runner: RunnerFields) -> torch.dtype | None:
+    """The dtype `ckpt.export_dtype` names (floating tensors are cast to it), None to keep each tensor's own."""
+    return EXPORT_DTYPES[runner.config.ckpt.export_dtype] if runner.config.ckpt.export_dtype else None
 
-    adapter = runner.state_dict_adapter()
-    dtype = EXPORT_DTYPES[runner.config.ckpt.export_dtype] if runner.config.ckpt.export_dtype else None
-    if isinstance(runner, ParallelRunner):
-        from perdure.checkpoints.module_state import module_state_dict
-        from perdure.runners.parallel_runner import _whole
 
-        parts = runner.model_parts
-        if not ema and adapter is None and runner.topology.pipeline == 1 and _hooks_make_tensors(parts):
-            tied = {key for part in parts for key in tied_keys(uncompiled(part))}
-            _stream(runner, module_source(parts, _whole), tied, staging, dtype)
-            return
-        state: dict[str, Any] = {}
-        if ema:
-            assert runner.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
-            state.update(runner.ema.shadow)
-        else:
-            for part in runner.model_parts:
-                state.update(module_state_dict(part))
-        state = adapter.to_hf(state) if adapter is not None else _untied(state, runner)
-        _write_with_dcp(_distinct(state, every_rank=True), staging, dtype)
-        return
-    deepspeed = isinstance(runner, DeepSpeedRunner)
-    if deepspeed and not ema:
-        from perdure.runners.zero3_export import zero3_source
-
-        module = runner.unwrap_model()  # the engine's module
-        source = zero3_source(module)
-        tied = set(tied_keys(uncompiled(module)))
-        if adapter is None:
-            _stream(runner, source, tied, staging, dtype)
-            return
-        weights = {}  # to_hf maps the whole state dict: gathered on the main process, one tensor at a time
-        for name in source.shapes:
-            if name not in tied:
-                tensor = source.whole(name)  # a collective: every rank takes every name
-                if runner.is_main_process:
-                    weights[name] = tensor.cpu()
-    elif runner.is_main_process or deepspeed:  # a ZeRO-3 EMA gathers its partitions: every rank takes part
-        from perdure.runners.compile import plain_state_dict
-
-        if ema:
-            assert runner.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
-            weights = runner.ema.weights()
-        else:
-            weights = plain_state_dict(runner.unwrap_model())
-    if not runner.is_main_process:
-        return
-    weights = adapter.to_hf(weights) if adapter is not None else _untied(weights, runner)
+def write_whole_weights(
+    runner: RunnerFields,
+    staging: Path,
+    weights: dict[str, Any],
+    adapter: StateDictAdapter | None,
+    *,
+    save_pretrained: bool = True,
+) -> None:
+    """On the main process: write the whole `weights` (the model's state-dict layout) into `staging`, mapped by
+    `adapter.to_hf` (or with the tied keys left out), cast to `ckpt.export_dtype`: through the model's own
+    `save_pretrained` for a `PreTrainedModel` without an adapter (when `save_pretrained`: not for a module that holds
+    only its partition), else as sharded safetensors (`write_state_dict`)."""
+    weights = adapter.to_hf(weights) if adapter is not None else untied(weights, runner)
     weights = cast_weights(weights, runner.config.ckpt.export_dtype)
     model = uncompiled(runner.unwrap_model())
-    if is_hf_model(model) and adapter is None and not deepspeed:  # a ZeRO-3 module holds only its partition
+    if is_hf_model(model) and adapter is None and save_pretrained:
         model.save_pretrained(str(staging), state_dict=weights)
     else:
-        write_state_dict(staging, _distinct(weights))
+        write_state_dict(staging, distinct(weights))
 
 
-def _untied(state: dict[str, Any], runner: CheckpointingMixin) -> dict[str, Any]:
+def untied(state: dict[str, Any], runner: RunnerFields) -> dict[str, Any]:
     tied = set(tied_keys(uncompiled(runner.unwrap_model())))
     return {key: value for key, value in state.items() if key not in tied}
 
 
-def _distinct(state: dict[str, Any], *, every_rank: bool = False) -> dict[str, Any]:
+def distinct(state: dict[str, Any], *, every_rank: bool = False) -> dict[str, Any]:
     """The state dict without a key whose tensor is the same memory as an earlier key's (tied weights: the embedding
     and the output layer), as `save_pretrained` leaves them out; `from_pretrained` ties them again. A sharded model's
     state dict wraps each key's shard in a DTensor of its own, so the memory is compared, and what one rank finds tied
@@ -249,7 +218,7 @@ def _distinct(state: dict[str, Any], *, every_rank: bool = False) -> dict[str, A
     return {key: value for key, value in state.items() if key not in tied}
 
 
-def _hooks_make_tensors(parts: list[torch.nn.Module]) -> bool:
+def hooks_make_tensors(parts: list[torch.nn.Module]) -> bool:
     """Whether a state-dict hook of `parts` makes tensors the model does not hold (`checkpoints/state_pieces.py`):
     each hooked module's state dict made once, one at a time (every rank calls this: a hook may gather)."""
     owned = set().union(*(own_tensors(part) for part in parts))
@@ -260,8 +229,8 @@ def _hooks_make_tensors(parts: list[torch.nn.Module]) -> bool:
     return False
 
 
-def _stream(
-    runner: CheckpointingMixin, source: StreamSource, tied: set[str], staging: Path, dtype: torch.dtype | None
+def stream_weights(
+    runner: RunnerFields, source: StreamSource, tied: set[str], staging: Path, dtype: torch.dtype | None
 ) -> None:
     """Every rank takes each tensor of `source` in turn (`whole`: a collective), `tied` keys left out as
     `save_pretrained` does; the main process appends each to the safetensors file it belongs to (`HFShardWriter`),
@@ -281,7 +250,7 @@ def _stream(
         writer.finish()
 
 
-def _write_with_dcp(state: dict[str, Any], staging: Path, dtype: torch.dtype | None) -> None:
+def write_with_dcp(state: dict[str, Any], staging: Path, dtype: torch.dtype | None) -> None:
     """Every rank writes its shards of `state` (DTensors, or plain tensors DCP writes once) with DCP's Hugging Face
     storage writer; rank 0 consolidates them into `save_pretrained`'s files, one full tensor at a time, then the
     per-rank files are removed."""

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from perdure.checkpoints.base import CheckpointManager, Stateful
+from perdure.checkpoints.module_state import module_state_dict
 from perdure.checkpoints.read import open_weight_slices
 from perdure.checkpoints.resolve import CheckpointInfo
 from perdure.checkpoints.sharded import ParallelCheckpointManager, ShardedModel, ShardedOptimizer
@@ -45,9 +46,18 @@ from perdure.distributed.process_group import init_process_group, select_backend
 from perdure.distributed.topology import FSDP_CONTEXT_MESH, Topology, device_mesh
 from perdure.errors import ConfigError, PerdureError
 from perdure.private_api import compiled_original
-from perdure.runners.compile import is_compiled
+from perdure.runners.compile import is_compiled, uncompiled
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.export import StreamSource, module_source
+from perdure.runners.hf_export import (
+    distinct,
+    export_dtype,
+    hooks_make_tensors,
+    stream_weights,
+    tied_keys,
+    untied,
+    write_with_dcp,
+)
 from perdure.runners.loss_parallel import local_loss, loss_context
 from perdure.runners.meta_init import check_initialisable, is_meta_model
 from perdure.runners.parallelize import (
@@ -518,6 +528,30 @@ class ParallelRunner(TorchRunner):
             return received
 
         return StreamSource(shapes, whole)
+
+    def write_hf_weights(self, staging: Path, ema: bool) -> None:
+        """The `hf` export's weights (the override point's contract: checkpointing.py), shard by shard: every rank
+        writes its shards of the state dict of DTensors (through the adapter's `to_hf`, tied keys left out) with
+        DCP's Hugging Face writer, and rank 0 consolidates them (`write_with_dcp`); no rank gathers the model. A model
+        whose state-dict hooks make tensors, without an adapter and a pipeline, is streamed instead, as
+        `model.safetensors` is (`module_source`: one DTensor gathered at a time, what hooks make one hooked module at
+        a time). A collective: every rank calls it."""
+        adapter = self.state_dict_adapter()
+        dtype = export_dtype(self)
+        parts = self.model_parts
+        if not ema and adapter is None and self.topology.pipeline == 1 and hooks_make_tensors(parts):
+            tied = {key for part in parts for key in tied_keys(uncompiled(part))}
+            stream_weights(self, module_source(parts, _whole), tied, staging, dtype)
+            return
+        state: dict[str, Any] = {}
+        if ema:
+            assert self.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
+            state.update(self.ema.shadow)
+        else:
+            for part in self.model_parts:
+                state.update(module_state_dict(part))
+        state = adapter.to_hf(state) if adapter is not None else untied(state, self)
+        write_with_dcp(distinct(state, every_rank=True), staging, dtype)
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
