@@ -31,6 +31,7 @@ rank holds one hooked module whole at a time, never the model.
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -64,6 +65,8 @@ if TYPE_CHECKING:
 
 def is_partitioned(tensor: torch.Tensor) -> TypeGuard[ZeroParameter]:
     """Whether `tensor` is a ZeRO-3 parameter (built under `deepspeed.zero.Init`, or partitioned by the engine)."""
+    if "deepspeed" not in sys.modules:  # none without DeepSpeed loaded; importing it to ask would cost ~30 MB of RSS
+        return False
     from deepspeed.runtime.zero.partition_parameters import is_zero_param
 
     return is_zero_param(tensor)
