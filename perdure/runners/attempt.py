@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from perdure.checkpoints.save_errors import free_bytes, human_bytes, what_failed
 from perdure.checkpoints.source import RestoreSource, choose_restore_source
 from perdure.distributed.collectives import broadcast_object
-from perdure.errors import PerdureError, RunStuckError, WorkspaceError
+from perdure.errors import ConfigError, PerdureError, RunStuckError, WeightsMisfitError, WorkspaceError
 from perdure.loggers.console import EarlyRecords, attach_log_file, detach_log_file
 from perdure.resilience.crash_loop import STUCK_EXIT, is_retry, refuse_if_stuck
 from perdure.resilience.hang_watch import HangVerdict
@@ -51,7 +51,9 @@ if TYPE_CHECKING:
 
 class AttemptHooks(RunnerFields):
     """The attempt's override points, with their defaults: `BaseRunner` inherits them; the TorchFT layer
-    (`perdure.ft.runner.FaultTolerant`) overrides them. They hold no state; the `Attempt` calls them."""
+    (`perdure.ft.runner.FaultTolerant`) overrides them. They hold no state; the `Attempt` calls them. Below them, the
+    runner's calls into its attempt: `_begin_attempt` (`train()`), `_release` (`close()`), `_setup_failed`
+    (`RunnerMeta`)."""
 
     attempt: Attempt  # built by `BaseRunner.__init__`
 
@@ -78,6 +80,53 @@ class AttemptHooks(RunnerFields):
         if self._topology_change is not None:
             details["topology_change"] = self._topology_change
         return details
+
+    # ---- the runner's side of the attempt: begun by `train()`, released by `close()`, a failed setup recorded -----
+
+    def _begin_attempt(self) -> None:
+        """The start of `train()`: the attempt begins (`Attempt.begin`: rank 0 takes the lock, repairs, creates the
+        directories, opens the log file and records the attempt; every rank gets its stamp), then the checkpoint
+        manager names its staging dirs by the stamp and the hang watch starts. A disk that cannot take the first
+        writes stops every rank here, before any training it could not checkpoint; what was opened is closed and the
+        lock released."""
+        self.state.attempt += 1
+        try:
+            started = self.attempt.begin(self.telemetry)
+        except BaseException:
+            self.telemetry.abandon()
+            self._release()
+            raise
+        self.checkpoints.token = started
+        self.hang_watch.start(started, on_hang=self.attempt.record_hang)
+
+    def _release(self) -> None:
+        """The end of the attempt on this process (`close()`, a failed start or setup): the hang watch stops, the
+        attempt releases its log file and lock."""
+        self.hang_watch.stop()
+        self.attempt.release()
+
+    def _setup_failed(self, error: Exception) -> None:
+        """A setup (`__init__` / `__post_init__`) raised after the run was decided: record a failed attempt with the
+        error (run dir, sidecar, log file), so the failure shows in `perdure runs ls`; then release everything.
+        Runners built by `from_checkpoint` (to look at a run) record nothing, nor does a `ConfigError` (bad input,
+        refused before anything is written: e.g. a model the parallel stack cannot split as configured; `--pretrained`
+        weights that do not fit the model). Never masks `error`. Called by `RunnerMeta`."""
+        if "telemetry" not in self.__dict__:  # the run was not decided: nothing to record, nothing held
+            if "attempt" in self.__dict__:
+                self.logger.removeHandler(self.attempt.early_records)
+            return
+        if isinstance(error, ConfigError) or (
+            isinstance(error, WeightsMisfitError) and self.restore_source.kind == "pretrained"
+        ):  # bad input: `--pretrained` weights of another architecture (a new run: there was no checkpoint)
+            self._release()
+            return
+        try:
+            if self.is_main_process and not self.inspection:
+                self.attempt.record_failed_setup(f"{type(error).__name__}: {error}", self.telemetry)
+        except Exception as failure:  # noqa: BLE001 - the setup's own error is what the user must see
+            self.logger.warning("could not record the failed setup in %s: %s", self.run_dir.path, failure)
+        finally:
+            self._release()
 
 
 class Attempt:

@@ -37,7 +37,7 @@ from perdure.checkpoints.select import manager_class as select_manager_class
 from perdure.config import RunnerConfig
 from perdure.data.loader import ResumableLoader
 from perdure.distributed.gloo_exit import settle_gloo_workers_at_exit
-from perdure.errors import ConfigError, PerdureError, WeightsMisfitError
+from perdure.errors import PerdureError
 from perdure.loggers.console import (
     EarlyRecords,
     drop_orphaned_early_records,
@@ -73,7 +73,7 @@ NO_CONTEXT = nullcontext()  # reusable: entering it does nothing
 
 class RunnerMeta(ABCMeta):
     """Calls `__post_init__` once, after the user's `__init__` has assigned model, optimizer and datasets; a setup
-    that raises is recorded as a failed attempt of the run it was building (see `BaseRunner._setup_failed`)."""
+    that raises is recorded as a failed attempt of the run it was building (`_setup_failed`, runners/attempt.py)."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         runner = cast(Any, cls).__new__(cls)  # the runner class's own `__new__` (a checker reads the metaclass's)
@@ -458,51 +458,6 @@ class BaseRunner(
             finally:
                 self._release()
 
-    def _begin_attempt(self) -> None:
-        """The start of `train()`: the attempt begins (`Attempt.begin`: rank 0 takes the lock, repairs, creates the
-        directories, opens the log file and records the attempt; every rank gets its stamp), then the checkpoint
-        manager names its staging dirs by the stamp and the hang watch starts. A disk that cannot take the first
-        writes stops every rank here, before any training it could not checkpoint; what was opened is closed and the
-        lock released."""
-        self.state.attempt += 1
-        try:
-            started = self.attempt.begin(self.telemetry)
-        except BaseException:
-            self.telemetry.abandon()
-            self._release()
-            raise
-        self.checkpoints.token = started
-        self.hang_watch.start(started, on_hang=self.attempt.record_hang)
-
-    def _release(self) -> None:
-        """The end of the attempt on this process (`close()`, a failed start or setup): the hang watch stops, the
-        attempt releases its log file and lock."""
-        self.hang_watch.stop()
-        self.attempt.release()
-
-    def _setup_failed(self, error: Exception) -> None:
-        """A setup (`__init__` / `__post_init__`) raised after the run was decided: record a failed attempt with the
-        error (run dir, sidecar, log file), so the failure shows in `perdure runs ls`; then release everything.
-        Runners built by `from_checkpoint` (to look at a run) record nothing, nor does a `ConfigError` (bad input,
-        refused before anything is written: e.g. a model the parallel stack cannot split as configured; `--pretrained`
-        weights that do not fit the model). Never masks `error`. Called by `RunnerMeta`."""
-        if "telemetry" not in self.__dict__:  # the run was not decided: nothing to record, nothing held
-            if "attempt" in self.__dict__:
-                self.logger.removeHandler(self.attempt.early_records)
-            return
-        if isinstance(error, ConfigError) or (
-            isinstance(error, WeightsMisfitError) and self.restore_source.kind == "pretrained"
-        ):  # bad input: `--pretrained` weights of another architecture (a new run: there was no checkpoint)
-            self._release()
-            return
-        try:
-            if self.is_main_process and not self.inspection:
-                self.attempt.record_failed_setup(f"{type(error).__name__}: {error}", self.telemetry)
-        except Exception as failure:  # noqa: BLE001 - the setup's own error is what the user must see
-            self.logger.warning("could not record the failed setup in %s: %s", self.run_dir.path, failure)
-        finally:
-            self._release()
-
     def train_steps(self) -> None:
         """Train until `global_step` reaches `config.steps` (epochs roll over as the data runs out)."""
         budget = self.config.steps
@@ -675,10 +630,17 @@ class BaseRunner(
         """Called after every optimizer step, and before each batch of the loop's evaluations (as many as every rank
         reads): True when training must stop now (a preemption signal arrived).
 
-        Distributed stacks override it so that all ranks agree. Must not save or exit: the loop does that.
+        Several ranks agree (every rank returns the same, `StragglerWatch.agreed_signal`). Once a stop is agreed
+        (here, or by an evaluation's own agreement over an iterable split) it holds: every later call returns True
+        without a collective, so that the loop's check after a stopped evaluation stops too (a pipelined check would
+        answer 0 until its collective is read). Must not save or exit: the loop does that.
         """
-        received = self.preemption.received or 0
-        self.stop_signal = self.stragglers.agreed_signal(received) if self.world_size > 1 else received
+        if self.stop_signal:
+            return True
+        signal_now = self.preemption.received or 0
+        if self.world_size > 1:  # an evaluation's checks agree at once: its batches are not the steps timed
+            signal_now = self.stragglers.agreed_signal(signal_now, at_once=self.evaluator.stops_on_signal)
+        self.stop_signal = signal_now
         return self.stop_signal != 0
 
     def _finish(self) -> None:

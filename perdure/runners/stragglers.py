@@ -133,10 +133,11 @@ class StragglerWatch:
             self._name_slow_ranks(step, times, median)
         return {"rank_step_time_min": min(times), "rank_step_time_median": median, "rank_step_time_max": max(times)}
 
-    def agreed_signal(self, received: int) -> int:
+    def agreed_signal(self, received: int, at_once: bool = False) -> int:
         """The stop check (several ranks; every rank calls it at the same points): the signal agreed at this step's
         log line if one was, else the largest signal any rank received now, or (pipelined, module docstring) by the
-        previous check. The same value on every rank."""
+        previous check. The same value on every rank. `at_once` (the checks before an evaluation's batches, which are
+        few and may be long, and were not what the period was measured on): agree now, whatever the steps took."""
         if not self._group_made:
             self._group, self._group_made = host_group(), True
         if self._agreed is not None:  # a collective of this step agreed already: none of its own
@@ -144,14 +145,15 @@ class StragglerWatch:
             if self._pending is not None:
                 agreed, self._pending = max(agreed, self._pending.result()[0]), None
             return agreed
-        if self._pipelined:
+        pipelined = self._pipelined and not at_once
+        if pipelined:
             self._checks += 1
             if self._checks % self.check_every:  # not a check that starts a collective: the pending one waits
                 return 0
         agreed = 0
         if self._pending is not None:
             agreed, self._pending = self._pending.result()[0], None
-        if self._pipelined:  # what this rank holds now is read at the next check that starts one
+        if pipelined:  # what this rank holds now is read at the next check that starts one
             self._pending = PendingMax([received], self._group)
             return agreed
         return max(agreed, PendingMax([received], self._group).result()[0])

@@ -28,11 +28,13 @@ def agreed_at_each_check(
     step_seconds: float = 0.0,
     steps: int = 10,
     period: float = 0.0,
+    at_once_from: int | None = None,
 ) -> list[int]:
     """`steps` steps of `step_seconds`; a log line every `log_every`; rank 1 holds SIGTERM from step `signal_at`
     on; the agreed signal at each step's check, then the checks' period set by the first log line. `finite_check`:
     each step's ranks agree on their gradients first (the parallel stack's `agree_finite`), in a collective that
-    carries the signal. `period` sets how often pipelined checks start a collective (0: every check)."""
+    carries the signal. `period` sets how often pipelined checks start a collective (0: every check). From step
+    `at_once_from` on, the checks are an evaluation's (`at_once`)."""
     if slow_steps:  # steps longer than the bound: every check agrees at once
         stragglers.PIPELINED_BELOW_S = 0.0
     stragglers.CHECK_PERIOD_S = period
@@ -47,7 +49,8 @@ def agreed_at_each_check(
         if step % log_every == 0:
             watch.exchange(received, step)
             periods.append(watch.check_every)
-        agreed.append(watch.agreed_signal(received))
+        at_once = at_once_from is not None and step >= at_once_from
+        agreed.append(watch.agreed_signal(received, at_once=at_once))
     return [*agreed, periods[0]]
 
 
@@ -89,3 +92,11 @@ def test_tiny_steps_start_a_check_only_every_so_many_steps():
     check_every = ranks[0][-1]
     assert 2 <= check_every <= 10, ranks[0]
     assert first_stop(ranks[0]) == min(12 + 2 * check_every, 24), ranks[0]
+
+
+def test_an_evaluations_checks_agree_at_once_with_short_steps():
+    """The checks before an evaluation's batches agree at once even where the training's steps are pipelined (an
+    evaluation has few, long batches: read one check late, a signal could outlast it); here the signal of step 5, read
+    at step 6 by the training's checks, is read at step 5."""
+    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 4, 5, False, False, 0.0, 10, 0.0, 5)
+    assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 5
