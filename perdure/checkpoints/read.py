@@ -16,6 +16,7 @@ holds (`locate_weights`):
 then hands it to the reader its format registered (`WeightsFormat`). The entries:
 
     read_weights(path)           the model (or EMA) weights, whole: `--pretrained`, `perdure ckpt export`
+                                 (`read_located`: the same for a location found already)
     open_weight_slices(path)     the same, opened to be read region by region (`weights_slices.py`): a sharded model
     checkpoint_format(backend)   the reader of a checkpoint's training state: `CheckpointManager.load` restores
                                  through the `manager` of the backend that wrote it, whichever one the run saves with
@@ -114,6 +115,11 @@ def checkpoint_format(backend: object) -> WeightsFormat | None:
     return found if found is not None and found.manager is not None else None
 
 
+def checkpoint_backends() -> list[str]:
+    """The names of the checkpoint backends whose checkpoints can be read (registered with a `manager`)."""
+    return sorted(name for name, found in _FORMATS.items() if found.manager is not None)
+
+
 def locate_weights(path: Path, ema: bool = False) -> WeightsLocation:
     """What the weights at `path` are (see the module docstring): a checkpoint is resolved and verified first.
     CheckpointError when `path` does not exist, holds nothing perdure reads, or is a file asked for `ema` weights."""
@@ -147,7 +153,12 @@ def read_weights(path: Path, ema: bool = False, *, mmap: bool = False) -> dict[s
     removed, see `perdure.runners.compile`). `ema`: a checkpoint's EMA weights instead of the model's. `mmap`: the
     tensors of a torch.save file (`model.pth`, `pytorch_model.bin`, a file checkpoint's state) are mapped from the
     file, not read: a reader that copies a slice of one reads only the pages of that slice (`weights_slices.py`)."""
-    location = locate_weights(path, ema)
+    return read_located(locate_weights(path, ema), ema, mmap=mmap)
+
+
+def read_located(location: WeightsLocation, ema: bool = False, *, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """`read_weights` of what `locate_weights` found already (a caller that also describes the location): the
+    checkpoint is not resolved nor verified again."""
     return strip_compile_prefix(registered_format(location.format).read(location, ema, mmap))
 
 

@@ -39,7 +39,15 @@ from perdure.checkpoints.commit import (
 )
 from perdure.checkpoints.hf_export import HF_META, read_hf_meta, write_hf_dir
 from perdure.checkpoints.hf_read import hf_dir_files, is_hf_dir, is_hf_source
-from perdure.checkpoints.resolve import CheckpointInfo, committed_checkpoints, resolve_path
+from perdure.checkpoints.read import (
+    WeightsLocation,
+    checkpoint_backends,
+    checkpoint_format,
+    locate_weights,
+    read_located,
+    weight_files,
+)
+from perdure.checkpoints.resolve import committed_checkpoints
 from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.cli.ckpt_mirror import is_url, location, mirror_export, mirror_ls, mirror_prune, mirror_verify, on_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
@@ -361,31 +369,40 @@ def _verify_weights(path: Path) -> int:
 # ---- export --------------------------------------------------------------------------------------------------------
 
 
-def _source_weights(path: Path, ema: bool) -> tuple[dict[str, Any], str, dict[str, str]]:
-    """(weights, description of where they came from, the safetensors metadata naming it) for a checkpoint /
-    checkpoints / run dir, a `best` / `latest` pointer (also `RUN/best` for `RUN/checkpoints/best`) or a weights file.
-    DCP checkpoints are gathered into one full state dict in this process: no process group is needed. The metadata
-    is published with the file: it names the run id and checkpoint (or the file name), never a path of this machine."""
-    if not path.exists() and path.name in POINTERS and (path.parent / "checkpoints" / path.name).is_file():
-        path = path.parent / "checkpoints" / path.name
+def _locate_source(path: Path, ema: bool) -> tuple[WeightsLocation, str, dict[str, str]]:
+    """(where the weights are, a description of it, the safetensors metadata naming it) for a checkpoint /
+    checkpoints / run dir, a `best` / `latest` pointer (also `RUN/best` for `RUN/checkpoints/best`) or a weights file,
+    located by the read path (`checkpoints/read.py`: a checkpoint is resolved and verified here, once; `read_located`
+    reads it). DCP checkpoints are gathered into one full state dict in this process: no process group is needed. The
+    metadata is published with the file: it names the run id and checkpoint (or the file name), never a path of this
+    machine."""
+    path = _run_pointer(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    if (path.is_file() and path.name not in POINTERS) or is_hf_dir(path):
-        if ema:
-            raise CheckpointError(f"{path} holds one set of weights; --ema needs a checkpoint (it holds both sets)")
+    if ema and weight_files(path) is not None:
+        raise CheckpointError(f"{path} holds one set of weights; --ema needs a checkpoint (it holds both sets)")
+    where = locate_weights(path, ema)
+    if where.checkpoint is None:
         # Weights in the Hugging Face layout stay marked as such (`hf_read.is_hf_source`): not perdure's `source`.
-        return read_weights(path), str(path), {"format": "pt", ("hf" if is_hf_source(path) else "source"): path.name}
-    info: CheckpointInfo = resolve_path(path)
+        return where, str(path), {"format": "pt", ("hf" if is_hf_source(path) else "source"): path.name}
+    info = where.checkpoint
     backend = info.manifest.get("backend", "file")
-    if backend not in ("file", "dcp", "deepspeed"):
+    if checkpoint_format(backend) is None:
         raise CheckpointError(
-            f"checkpoint {info.path} was written by backend {safe_name(backend)}; export reads file, dcp and "
-            "deepspeed checkpoints"
+            f"checkpoint {info.path} was written by backend {safe_name(backend)}; export reads "
+            f"{', '.join(checkpoint_backends())} checkpoints"
         )
-    where = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
-    where.append(f"backend {backend}")  # one of the two checked above
+    described = [f"{k} {v}" for k, v in (("step", info.global_step), ("epoch", info.epoch)) if v is not None]
+    described.append(f"backend {backend}")  # a registered one, checked above
     published = {"format": "pt", "run": info.path.parent.parent.name, "checkpoint": info.name}
-    return read_weights(info.path, ema=ema), f"{info.path} ({', '.join(where)})", published
+    return where, f"{info.path} ({', '.join(described)})", published
+
+
+def _run_pointer(path: Path) -> Path:
+    """`RUN/best` (or `RUN/latest`) for `RUN/checkpoints/best` when the run dir holds no such file itself."""
+    if not path.exists() and path.name in POINTERS and (path.parent / "checkpoints" / path.name).is_file():
+        return path.parent / "checkpoints" / path.name
+    return path
 
 
 def _output_format(out: Path, requested: str | None) -> str:
@@ -414,7 +431,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_hf(args, out)
     if out.is_dir():
         raise PerdureError(f"{out} is a directory; give a file name ending in {' or '.join(EXPORT_SUFFIXES)}")
-    weights, source, published = _source_weights(args.checkpoint.expanduser(), args.ema)
+    where, source, published = _locate_source(args.checkpoint.expanduser(), args.ema)
+    weights = read_located(where, args.ema)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
         save_safetensors(weights, out, args.dtype, published)
@@ -432,13 +450,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export_hf(args: argparse.Namespace, out: Path) -> int:
     """`--format hf`: the checkpoint's weights with the Hugging Face config its training program stored (`hf.json`)."""
-    path = args.checkpoint.expanduser()
-    if not path.exists() and path.name in POINTERS and (path.parent / "checkpoints" / path.name).is_file():
-        path = path.parent / "checkpoints" / path.name
+    path = _run_pointer(args.checkpoint.expanduser())
     if path.is_file() and path.name not in POINTERS:
         raise CheckpointError(f"{path} is a weights file; --format hf needs a checkpoint (its {HF_META} config)")
-    meta = read_hf_meta(resolve_path(path).path)
-    weights, source, _ = _source_weights(path, args.ema)
+    where, source, _ = _locate_source(path, args.ema)
+    meta = read_hf_meta(where.info.path)  # before the weights are read: a checkpoint without it fails at once
+    weights = read_located(where, args.ema)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_hf_dir(out, cast_weights(weights, args.dtype), meta, source)
     what = "EMA weights" if args.ema else "model weights"
