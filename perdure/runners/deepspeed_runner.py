@@ -250,27 +250,30 @@ class DeepSpeedRunner(TorchRunner):
     def write_hf_weights(self, staging: Path, ema: bool) -> None:
         """The `hf` export's weights (the override point's contract: checkpointing.py), tensor by tensor
         (`zero3_source`, as `model.pth`): every rank gathers one fp32 parameter, or one hooked module's state dict,
-        and rank 0 appends each tensor to its shard file (`stream_weights`). With an adapter, `to_hf` needs the
-        whole state dict: gathered on rank 0, one tensor at a time. The EMA's `weights()` (a ZeRO-3 EMA gathers its
-        partitions: every rank takes part). Never through `save_pretrained`: a ZeRO-3 module holds only its
-        partition. A collective: every rank calls it."""
+        and rank 0 appends each tensor to its shard file (`stream_weights`). A ZeRO-3 EMA streams its shadows the same
+        way (`stream_source`: one gathered at a time); a ZeRO 1-2 EMA is whole on every rank already. With an adapter,
+        `to_hf` needs the whole state dict: gathered on rank 0 only, one tensor at a time. Never through
+        `save_pretrained`: a ZeRO-3 module holds only its partition. A collective: every rank calls it."""
         adapter = self.state_dict_adapter()
-        if ema:
-            assert self.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
-            weights = self.ema.weights()
+        tied = set(tied_keys(uncompiled(self.unwrap_model())))
+        if not ema:
+            source = zero3_source(self.unwrap_model())  # the engine's module
+        elif isinstance(self.ema, _PartitionedEMA):
+            source = self.ema.stream_source()
         else:
-            module = self.unwrap_model()  # the engine's module
-            source = zero3_source(module)
-            tied = set(tied_keys(uncompiled(module)))
-            if adapter is None:
-                stream_weights(self, source, tied, staging, export_dtype(self))
-                return
-            weights = {}  # to_hf maps the whole state dict: gathered on the main process, one tensor at a time
-            for name in source.shapes:
-                if name not in tied:
-                    tensor = source.whole(name)  # a collective: every rank takes every name
-                    if self.is_main_process:
-                        weights[name] = tensor.cpu()
+            assert self.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA
+            if self.is_main_process:
+                write_whole_weights(self, staging, self.ema.weights(), adapter, save_pretrained=False)
+            return
+        if adapter is None:
+            stream_weights(self, source, tied, staging, export_dtype(self))
+            return
+        weights = {}  # to_hf maps the whole state dict: gathered on the main process, one tensor at a time
+        for name in source.shapes:
+            if name not in tied:
+                tensor = source.whole(name)  # a collective: every rank takes every name
+                if self.is_main_process:
+                    weights[name] = tensor.cpu()
         if self.is_main_process:
             write_whole_weights(self, staging, weights, adapter, save_pretrained=False)
 

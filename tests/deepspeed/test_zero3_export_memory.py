@@ -6,9 +6,10 @@ tests/scripts/zero_init_mlp.py (CHECKPOINT_RSS, EXPORT_RSS): 26 x Linear(512, 51
 128 KiB or more its own mapping (MALLOC_MMAP_THRESHOLD_; with glibc's defaults a freed block stays resident and the
 rise hides in memory the run freed before): the checkpoint rose 2.3 and 2.3 MB, the export 2.0 and 2.0 MB; before,
 35 and 27 MB (the whole shadows all-gathered on every rank, pickled into each rank's engine file) and 53 and 27 MB
-(the whole weights on rank 0, then the whole shadows on every rank). The values are tested bit for bit by
-tests/deepspeed/test_zero_init.py (killed and resumed: model.pth, model-ema.pth) and test_deepspeed_world_size.py (the
-EMA on another world size).
+(the whole weights on rank 0, then the whole shadows on every rank). The Hugging Face export of the EMA (`hf-ema/`)
+streams its shadows the same way (before, every rank gathered the whole EMA for it: 27 MB more each). The values are
+tested bit for bit by tests/deepspeed/test_zero_init.py (killed and resumed: model.pth, model-ema.pth) and
+test_deepspeed_world_size.py (the EMA on another world size).
 
 What state-dict hooks make is exported one hooked module at a time (`perdure/runners/zero3_export.py`): with SPLIT_STATE
 each hidden Linear saves its weight as two new tensors (its halves, cloned); each one's fp32 master weights are gathered
@@ -37,16 +38,19 @@ MODEL_BYTES = 4 * (16 * WIDTH + WIDTH + (DEPTH + 1) * (WIDTH * WIDTH + WIDTH) + 
 
 @pytest.mark.timeout(300)
 def test_no_rank_holds_the_model_or_the_ema_while_it_saves_or_exports(tmp_path):
-    assert_all_ok(run_ranks(2, "zero_init_mlp.py", tmp_path / "runs", *ARGS, CHECKPOINT_RSS=tmp_path / "ckpt-{rank}",
+    assert_all_ok(run_ranks(2, "zero_init_mlp.py", tmp_path / "runs", *ARGS, "--ckpt.export_format", "pth,hf",
+                            HF_CONFIG="1", CHECKPOINT_RSS=tmp_path / "ckpt-{rank}",
                             EXPORT_RSS=tmp_path / "export-{rank}", MALLOC_MMAP_THRESHOLD_="131072"))  # fmt: skip
     checkpoint = read_rises(tmp_path / "ckpt-{rank}", 2)
     export = read_rises(tmp_path / "export-{rank}", 2)
     assert max(export) < MODEL_BYTES / 4, f"export rises {export}; model {MODEL_BYTES}"
     assert max(checkpoint) < MODEL_BYTES / 4, f"checkpoint rises {checkpoint}; model {MODEL_BYTES}"
     directory = run_dir(tmp_path / "runs")
-    for name in ("model.pth", "model-ema.pth"):
+    for name, hf in (("model.pth", "hf"), ("model-ema.pth", "hf-ema")):
         weights = torch.load(directory / name, weights_only=True)
         assert sum(tensor.nbytes for tensor in weights.values()) == MODEL_BYTES
+        published = load_file(directory / hf / "model.safetensors")  # streamed like model.pth, one tensor at a time
+        assert set(published) == set(weights) and all(torch.equal(published[key], weights[key]) for key in weights)
 
 
 @pytest.mark.timeout(300)
