@@ -8,6 +8,7 @@ before anything is written.
 
 from __future__ import annotations
 
+import copy
 import os
 import stat
 import sys
@@ -31,6 +32,7 @@ from perdure.config_checks import (
     check_path_component,
     check_root,
     section_checks,
+    section_keys,
 )
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError, show_traceback
@@ -61,7 +63,6 @@ ON_ERROR = ("warn", "raise")
 WANDB_MODES = ("online", "offline", "disabled")
 PROGRESS_MODES = ("auto", "bar", "lines")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
-PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 EXPORT_FORMATS = ("pth", "safetensors", "hf")
 LOSS_NORMALIZATIONS = ("mean", "tokens")  # perdure.runners.accumulation
@@ -83,7 +84,6 @@ _CHOICES: dict[str, tuple] = {
     "wandb.mode": WANDB_MODES,
     "log.progress": PROGRESS_MODES,
     "dist.backend": DIST_BACKENDS,
-    "parallel.pipeline.schedule": PIPELINE_SCHEDULES,
     "compile.mode": COMPILE_MODES,
     "loss.normalize": LOSS_NORMALIZATIONS,
 }
@@ -102,8 +102,6 @@ _COUNTS: dict[str, tuple[int, bool]] = {
     "log.interval": (1, False),
     "resilience.max_consecutive_skips": (1, True),
     "resilience.max_attempts_without_progress": (1, False),
-    "parallel.pipeline.microbatches": (1, True),
-    "parallel.pipeline.virtual_stages": (1, False),
 }
 _BOOLS = (
     "skip_nonfinite_grad",
@@ -115,10 +113,6 @@ _BOOLS = (
     "tensorboard.enabled",
     "wandb.enabled",
     "compile.enabled",
-    "parallel.fsdp.offload",
-    "parallel.fsdp.reshard_after_forward",
-    "parallel.activation_checkpointing",
-    "parallel.loss_parallel",
 )
 _MISSING = object()
 # Non-key attribute (chanfig `setattr`) holding the dotted keys given on the command line: not in to_plain / yaml /
@@ -208,34 +202,10 @@ class RunnerConfig(chanfig.Config):
         self.dist.backend = "auto"  # auto: nccl with CUDA, gloo on CPU
         self.dist.timeout = 600  # seconds a collective may wait before the run fails instead of hanging
         self.dist.step_timeout = 300  # seconds a step may take before its rank is named hung (exit 92); 0: never
-        # stack=deepspeed (docs/deepspeed.md); this section is no part of other stacks' config identity.
-        self.deepspeed.zero_stage = 2  # 0 (plain data parallel), 1, 2 or 3
-        self.deepspeed.offload_optimizer = False  # ZeRO-Offload of optimizer states to the CPU
-        self.deepspeed.offload_param = False  # ZeRO-3 parameter offload to the CPU
-        self.deepspeed.config = None  # raw DeepSpeed settings: a dict, or a JSON / YAML file
-        # TorchFT replica groups (docs/fault-tolerance.md); this section is no part of the run's config identity.
-        self.ft.enabled = False  # train as one replica group of a fault-tolerant job
-        self.ft.replica_id = 0  # this group's id, from 0 to ft.group_size - 1
-        self.ft.group_size = 1  # replica groups of the job: the training data is sharded over all of them
-        self.ft.min_replica_size = 1  # a step commits only when at least this many groups take part
-        self.ft.lighthouse = None  # the lighthouse address http://HOST:PORT; None: $TORCHFT_LIGHTHOUSE
-        self.ft.timeout = 60.0  # seconds a cross-group all-reduce, the commit vote or a heal may take
-        self.ft.quorum_timeout = 60.0  # seconds a quorum may take before the group stops with an error
-        self.ft.heartbeat_interval = 0.1  # seconds between the group's heartbeats to the lighthouse
-        # stack=parallel (docs/parallel.md). Ranks per axis; their product is the world size, one may be -1 (the rest).
-        self.parallel.axes.replicate = 1  # whole-model replicas (HSDP's outer dimension)
-        self.parallel.axes.shard = -1  # FSDP2 shards of parameters, gradients and optimizer state; -1: the rest
-        self.parallel.axes.tensor = 1  # tensor parallelism (the model's tensor plan over this many ranks)
-        self.parallel.axes.pipeline = 1  # pipeline stages (the model's pipeline split)
-        self.parallel.axes.context = 1  # context parallelism (the model's parallelize(mesh) splits sequences)
-        self.parallel.axes.expert = 1  # expert parallelism (the model's parallelize(mesh) places experts)
-        self.parallel.pipeline.schedule = "1F1B"  # 1F1B, GPipe or Interleaved1F1B
-        self.parallel.pipeline.microbatches = None  # microbatches per batch; None: one per stage
-        self.parallel.pipeline.virtual_stages = 1  # stages per rank (Interleaved1F1B: 2 or more)
-        self.parallel.fsdp.offload = False  # keep sharded parameters, gradients and optimizer state on the CPU
-        self.parallel.fsdp.reshard_after_forward = True  # free gathered parameters after each block's forward
-        self.parallel.activation_checkpointing = False  # recompute each block's activations in the backward
-        self.parallel.loss_parallel = False  # tensor parallel: the loss on vocabulary-sharded logits (no gather)
+        # The registered sections (`config_checks.register_section`): deepspeed, ft, parallel, ... each declared, with
+        # its keys' help and validation, by the module that owns it (`perdure/sections.py` imports perdure's own).
+        for key, declared in section_keys().items():
+            self.set(key, copy.deepcopy(declared.default))
 
     # ------------------------------------------------------------------ views
 
@@ -421,13 +391,15 @@ class RunnerConfig(chanfig.Config):
         exit_code = get("resilience.exit_code")
         if exit_code is not None and not (is_int(exit_code) and 0 <= exit_code <= 255):
             raise ConfigError("resilience.exit_code", exit_code, "use an integer from 0 to 255, or None for 128+signal")
-        for key, (minimum, optional) in _COUNTS.items():
+        declared = section_keys()  # the registered sections' keys, checked after perdure's own of each kind
+        counts = {**_COUNTS, **{key: d.count for key, d in declared.items() if d.count is not None}}
+        for key, (minimum, optional) in counts.items():
             check_int(key, get(key), minimum, optional)
         if get("accum_steps") > MAX_ACCUM_STEPS:  # the loader counts the samples of that many batches read ahead
             raise ConfigError("accum_steps", get("accum_steps"), f"use at most {MAX_ACCUM_STEPS} micro-batches a step")
-        for key, choices in _CHOICES.items():
+        for key, choices in {**_CHOICES, **{key: d.choices for key, d in declared.items() if d.choices}}.items():
             check_choice(key, get(key), choices)
-        for key in _BOOLS:
+        for key in [*_BOOLS, *(key for key, d in declared.items() if d.boolean)]:
             check_bool(key, get(key))
         for key in ("checkpoint", "pretrained"):
             check_path(key, get(key))

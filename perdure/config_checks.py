@@ -1,8 +1,10 @@
 """Config validators: each checks one value of one key and raises a `ConfigError` naming the key, the value and the fix.
 
 Pure functions used by `RunnerConfig.check` (and `check_path_component` by the workspace, for names read back), and
-the registry of section checks: a layer that owns a config section (a stack, TorchFT, the checkpoint mirror) registers
-its check here, so `perdure/config.py` imports none of them.
+the registry of config sections: a layer that owns a config section (a stack, TorchFT, the checkpoint mirror) registers
+its check here (`register_section_check`), and a section whose keys are all its own (`parallel`, `deepspeed`, `ft`)
+declares its keys, defaults, help and plain validation here too (`register_section`), so `perdure/config.py` imports
+none of them and a new stack with keys of its own edits no shared file.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,45 @@ def register_section_check(section: str, check: SectionCheck) -> None:
 def section_checks() -> dict[str, SectionCheck]:
     """The registered section checks, by section, in the order they run."""
     return dict(sorted(_SECTION_CHECKS.items()))
+
+
+@dataclass(frozen=True)
+class SectionKey:
+    """One key of a registered section: `name` inside the section (`axes.shard` for `parallel.axes.shard`), its
+    default (copied into every config), its `--help` line, and its plain validation, run by `RunnerConfig.check()`
+    with perdure's own keys of the same kind: `choices` (`check_choice`), `count` = (minimum, None allowed)
+    (`check_int`), `boolean` (`check_bool`)."""
+
+    name: str
+    default: Any
+    help: str
+    choices: tuple | None = None
+    count: tuple[int, bool] | None = None
+    boolean: bool = False
+
+
+_SECTIONS: dict[str, tuple[SectionKey, ...]] = {}
+
+
+def register_section(section: str, keys: tuple[SectionKey, ...], check: SectionCheck | None = None) -> None:
+    """Declare config section `section` (`parallel`, `deepspeed`, `ft`, ...): `RunnerConfig.__init__` sets its
+    `keys` to their defaults after perdure's own keys, sections in the order of their names, keys in the order given;
+    `--help` and docs/config.md show each key's help; `check`, if given, is registered as `register_section_check`
+    would. Called once, at import, by the module that owns the section (see `register_section_check`); registering a
+    section again replaces it."""
+    _SECTIONS[section] = tuple(keys)
+    if check is not None:
+        register_section_check(section, check)
+
+
+def sections() -> dict[str, tuple[SectionKey, ...]]:
+    """The registered sections' keys, by section, in the order `RunnerConfig` holds them."""
+    return dict(sorted(_SECTIONS.items()))
+
+
+def section_keys() -> dict[str, SectionKey]:
+    """Every registered section's keys, by dotted key (`parallel.axes.shard`), in the order `RunnerConfig` has."""
+    return {f"{section}.{key.name}": key for section, keys in sections().items() for key in keys}
 
 
 def check_int(key: str, value: Any, minimum: int | None, optional: bool = False) -> None:

@@ -1,8 +1,9 @@
 """Config help: one line of help per key, the values in effect, and the names other trainers give perdure's keys.
 
 The help of a key is the comment on the line of the config's `__init__` that sets it, or else the block of comment
-lines directly above that line. perdure's own keys are documented that way in `RunnerConfig.__init__`, and a user's
-config class documents its keys the same way:
+lines directly above that line. perdure's own keys are documented that way in `RunnerConfig.__init__` (the keys of a
+registered section, `parallel.*`, `deepspeed.*`, `ft.*`, by the help its module declares with
+`config_checks.register_section`), and a user's config class documents its keys the same way:
 
     class Config(RunnerConfig):
         def __init__(self):
@@ -28,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from perdure.config_checks import section_keys
 from perdure.plain import flatten
 
 # Names other trainers (nanoGPT, Hugging Face Trainer, Lightning, TorchTitan) use, and the key perdure has for each.
@@ -145,8 +147,9 @@ def section_hint(name: str, known: set[str]) -> str | None:
 
 
 def key_help(config_class: type) -> dict[str, str]:
-    """Dotted key -> help line, read from the comments in `__init__` of `config_class` and its bases."""
-    helps: dict[str, str] = {}
+    """Dotted key -> help line: the registered sections' keys' help (`config_checks.register_section`), then the
+    comments in `__init__` of `config_class` and its bases (which win)."""
+    helps: dict[str, str] = {key: declared.help for key, declared in section_keys().items() if declared.help}
     for cls in reversed(config_class.__mro__):
         init = cls.__dict__.get("__init__")
         if init is None or cls.__module__ == "chanfig" or cls.__module__.startswith("chanfig."):

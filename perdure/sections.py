@@ -1,6 +1,8 @@
 """The config sections of perdure's own layers: importing their modules registers each one's check
-(`config_checks.register_section_check`), which `RunnerConfig.check()` runs. `perdure/__init__.py` imports this, so
-every program that imports any part of perdure has them; `perdure/config.py` itself imports none of these layers."""
+(`config_checks.register_section_check`), which `RunnerConfig.check()` runs, and the `deepspeed`, `ft` and `parallel`
+sections' keys, defaults, help and validation (`config_checks.register_section`), which `RunnerConfig.__init__` sets.
+`perdure/__init__.py` imports this first, so every program that imports any part of perdure (`from perdure.config
+import RunnerConfig` included) has them; `perdure/config.py` itself imports none of these layers."""
 
 from perdure.checkpoints import auto_interval, mirror
 from perdure.distributed import topology

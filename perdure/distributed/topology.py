@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from perdure.config_checks import register_section_check
+from perdure.config_checks import SectionKey, register_section
 from perdure.errors import ConfigError
 
 AXES = ("replicate", "shard", "tensor", "pipeline", "context", "expert")  # the config's order
@@ -44,7 +44,8 @@ MESH_NAMES = {"pipeline": "pp", "replicate": "dp_replicate", "shard": "dp_shard"
 MESH_NAMES["tensor"] = "tp"
 FSDP_CONTEXT_MESH = "dp_shard_cp"  # dp_shard x cp flattened (TorchTitan's name), what FSDP shards over when cp > 1
 KEY = "parallel.axes"
-DEFAULTS = {"replicate": 1, "shard": -1, "tensor": 1, "pipeline": 1, "context": 1, "expert": 1}  # as RunnerConfig's
+DEFAULTS = {"replicate": 1, "shard": -1, "tensor": 1, "pipeline": 1, "context": 1, "expert": 1}  # SECTION's (below)
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,31 @@ def check_parallel_section(config: Any, get: Callable[[str], Any]) -> None:
         raise ConfigError("parallel.pipeline.virtual_stages", virtual, fix)
 
 
-register_section_check("parallel", check_parallel_section)
+# stack=parallel (docs/parallel.md). Ranks per axis; their product is the world size, one may be -1 (the rest).
+SECTION = (
+    SectionKey("axes.replicate", DEFAULTS["replicate"], "whole-model replicas (HSDP's outer dimension)"),
+    SectionKey(
+        "axes.shard", DEFAULTS["shard"], "FSDP2 shards of parameters, gradients and optimizer state; -1: the rest"
+    ),
+    SectionKey("axes.tensor", DEFAULTS["tensor"], "tensor parallelism (the model's tensor plan over this many ranks)"),
+    SectionKey("axes.pipeline", DEFAULTS["pipeline"], "pipeline stages (the model's pipeline split)"),
+    SectionKey(
+        "axes.context", DEFAULTS["context"], "context parallelism (the model's parallelize(mesh) splits sequences)"
+    ),
+    SectionKey("axes.expert", DEFAULTS["expert"], "expert parallelism (the model's parallelize(mesh) places experts)"),
+    SectionKey("pipeline.schedule", "1F1B", "1F1B, GPipe or Interleaved1F1B", choices=PIPELINE_SCHEDULES),
+    SectionKey("pipeline.microbatches", None, "microbatches per batch; None: one per stage", count=(1, True)),
+    SectionKey("pipeline.virtual_stages", 1, "stages per rank (Interleaved1F1B: 2 or more)", count=(1, False)),
+    SectionKey(
+        "fsdp.offload", False, "keep sharded parameters, gradients and optimizer state on the CPU", boolean=True
+    ),
+    SectionKey("fsdp.reshard_after_forward", True, "free gathered parameters after each block's forward", boolean=True),
+    SectionKey("activation_checkpointing", False, "recompute each block's activations in the backward", boolean=True),
+    SectionKey(
+        "loss_parallel", False, "tensor parallel: the loss on vocabulary-sharded logits (no gather)", boolean=True
+    ),
+)
+register_section("parallel", SECTION, check_parallel_section)
 
 
 def device_mesh(topology: Topology, device_type: str) -> Any:

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from perdure.config_checks import register_section_check
+from perdure.config_checks import SectionKey, register_section
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError
 
@@ -105,4 +105,15 @@ def check_ft(get: Callable[[str], Any]) -> None:
         )
 
 
-register_section_check("ft", lambda config, get: check_ft(get))
+# TorchFT replica groups (docs/fault-tolerance.md); this section is no part of the run's config identity.
+SECTION = (
+    SectionKey("enabled", False, "train as one replica group of a fault-tolerant job"),
+    SectionKey("replica_id", 0, "this group's id, from 0 to ft.group_size - 1"),
+    SectionKey("group_size", 1, "replica groups of the job: the training data is sharded over all of them"),
+    SectionKey("min_replica_size", 1, "a step commits only when at least this many groups take part"),
+    SectionKey("lighthouse", None, "the lighthouse address http://HOST:PORT; None: $TORCHFT_LIGHTHOUSE"),
+    SectionKey("timeout", 60.0, "seconds a cross-group all-reduce, the commit vote or a heal may take"),
+    SectionKey("quorum_timeout", 60.0, "seconds a quorum may take before the group stops with an error"),
+    SectionKey("heartbeat_interval", 0.1, "seconds between the group's heartbeats to the lighthouse"),
+)
+register_section("ft", SECTION, lambda config, get: check_ft(get))

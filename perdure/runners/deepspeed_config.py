@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from perdure.config_checks import register_section_check
+from perdure.config_checks import SectionKey, register_section
 from perdure.errors import ConfigError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -128,7 +128,14 @@ def check_deepspeed_section(config: Any, get: Callable[[str], Any]) -> None:
                           "auto, file or dcp")  # fmt: skip
 
 
-register_section_check("deepspeed", check_deepspeed_section)
+# stack=deepspeed (docs/deepspeed.md); this section is no part of other stacks' config identity.
+SECTION = (
+    SectionKey("zero_stage", 2, "0 (plain data parallel), 1, 2 or 3"),
+    SectionKey("offload_optimizer", False, "ZeRO-Offload of optimizer states to the CPU"),
+    SectionKey("offload_param", False, "ZeRO-3 parameter offload to the CPU"),
+    SectionKey("config", None, "raw DeepSpeed settings: a dict, or a JSON / YAML file"),
+)
+register_section("deepspeed", SECTION, check_deepspeed_section)
 
 
 def check_engine_config(config: Any, world_size: int) -> None:
