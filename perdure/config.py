@@ -33,6 +33,7 @@ from perdure.config_checks import (
     check_root,
     section_checks,
     section_keys,
+    stack_names,
 )
 from perdure.config_text import is_int, is_number
 from perdure.errors import ConfigError, PerdureError, show_traceback
@@ -49,7 +50,6 @@ from perdure.safe_io import (
 )
 
 MAX_SEED = 2**43  # |seed| below it: every seed perdure derives from it fits torch's 64-bit generators
-STACKS = ("torch", "parallel", "deepspeed", "ds")  # ds: an alias of deepspeed
 PRECISIONS = ("fp32", "bf16", "fp16")
 CKPT_BACKENDS = ("auto", "file", "dcp", "deepspeed")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -70,7 +70,6 @@ LOADER_KEYS = ("batch_size", "shuffle", "num_workers", "drop_last", "pin_memory"
 
 
 _CHOICES: dict[str, tuple] = {
-    "stack": STACKS,
     "precision": PRECISIONS,
     "resume": RESUME_VALUES,
     "ckpt.backend": CKPT_BACKENDS,
@@ -397,7 +396,8 @@ class RunnerConfig(chanfig.Config):
             check_int(key, get(key), minimum, optional)
         if get("accum_steps") > MAX_ACCUM_STEPS:  # the loader counts the samples of that many batches read ahead
             raise ConfigError("accum_steps", get("accum_steps"), f"use at most {MAX_ACCUM_STEPS} micro-batches a step")
-        for key, choices in {**_CHOICES, **{key: d.choices for key, d in declared.items() if d.choices}}.items():
+        choices_of = {"stack": stack_names(), **_CHOICES}  # the registered stacks (config_checks.register_stack)
+        for key, choices in {**choices_of, **{key: d.choices for key, d in declared.items() if d.choices}}.items():
             check_choice(key, get(key), choices)
         for key in [*_BOOLS, *(key for key, d in declared.items() if d.boolean)]:
             check_bool(key, get(key))

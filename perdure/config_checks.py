@@ -58,17 +58,60 @@ class SectionKey:
 
 
 _SECTIONS: dict[str, tuple[SectionKey, ...]] = {}
+_SECTION_STACKS: dict[str, str] = {}
 
 
-def register_section(section: str, keys: tuple[SectionKey, ...], check: SectionCheck | None = None) -> None:
+def register_section(
+    section: str, keys: tuple[SectionKey, ...], check: SectionCheck | None = None, stack: str | None = None
+) -> None:
     """Declare config section `section` (`parallel`, `deepspeed`, `ft`, ...): `RunnerConfig.__init__` sets its
     `keys` to their defaults after perdure's own keys, sections in the order of their names, keys in the order given;
     `--help` and docs/config.md show each key's help; `check`, if given, is registered as `register_section_check`
-    would. Called once, at import, by the module that owns the section (see `register_section_check`); registering a
-    section again replaces it."""
+    would. `stack`: the section belongs to that stack and is no part of another stack's config identity
+    (`workspace.identity.canonical_config`). Called once, at import, by the module that owns the section (see
+    `register_section_check`); registering a section again replaces it."""
     _SECTIONS[section] = tuple(keys)
+    _SECTION_STACKS.pop(section, None)
+    if stack is not None:
+        _SECTION_STACKS[section] = stack
     if check is not None:
         register_section_check(section, check)
+
+
+def section_stacks() -> dict[str, str]:
+    """The sections that belong to one stack (`register_section(..., stack=)`): section -> stack."""
+    return dict(_SECTION_STACKS)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A training stack `config.stack` may name: its runner class as `module:Class` (imported only when a runner of
+    that stack is built) and the other names it answers to."""
+
+    name: str
+    runner: str
+    aliases: tuple[str, ...] = ()
+
+
+# torch, the default stack, is the registry's own; every other stack registers itself (`register_stack`) from the
+# light module that declares its section, imported with the package (`perdure/sections.py`, whose order is this one's).
+_STACKS: dict[str, Stack] = {"torch": Stack("torch", "perdure.runners.torch_runner:TorchRunner")}
+
+
+def register_stack(name: str, runner: str, aliases: tuple[str, ...] = ()) -> None:
+    """Make `name` (and its `aliases`) a value of `config.stack` whose runner is `runner` (`module:Class`). Stacks are
+    listed (`stack_names`, errors) in the order they were registered; registering a stack again replaces it."""
+    _STACKS[name] = Stack(name, runner, tuple(aliases))
+
+
+def stack_names() -> tuple[str, ...]:
+    """Every value `config.stack` may hold: each stack's name followed by its aliases, in registration order."""
+    return tuple(name for stack in _STACKS.values() for name in (stack.name, *stack.aliases))
+
+
+def find_stack(name: Any) -> Stack | None:
+    """The stack `name` names (its own name or an alias), or None."""
+    return next((stack for stack in _STACKS.values() if name == stack.name or name in stack.aliases), None)
 
 
 def sections() -> dict[str, tuple[SectionKey, ...]]:

@@ -12,9 +12,21 @@ import textwrap
 import pytest
 
 from perdure import ConfigError, RunnerConfig
-from perdure.config_checks import SectionKey, register_section, section_checks, section_keys, sections
+from perdure.config_checks import (
+    SectionKey,
+    register_section,
+    register_stack,
+    section_checks,
+    section_keys,
+    section_stacks,
+    sections,
+    stack_names,
+)
 from perdure.config_help import key_help
 from perdure.plain import flatten
+from perdure.runners.runner import stack_class
+from perdure.runners.torch_runner import TorchRunner
+from perdure.workspace.identity import config_id
 from tests.test_import_cycles import ROOT
 
 BUILT_IN = ["deepspeed", "ft", "parallel"]
@@ -26,6 +38,8 @@ def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(perdure.config_checks, "_SECTIONS", dict(perdure.config_checks._SECTIONS))
     monkeypatch.setattr(perdure.config_checks, "_SECTION_CHECKS", dict(perdure.config_checks._SECTION_CHECKS))
+    monkeypatch.setattr(perdure.config_checks, "_SECTION_STACKS", dict(perdure.config_checks._SECTION_STACKS))
+    monkeypatch.setattr(perdure.config_checks, "_STACKS", dict(perdure.config_checks._STACKS))
 
 
 def test_the_built_in_sections_are_declared_by_their_modules() -> None:
@@ -38,6 +52,16 @@ def test_the_built_in_sections_are_declared_by_their_modules() -> None:
     assert all(keys[key] == d.default for key, d in declared.items())
     helps = key_help(RunnerConfig)
     assert all(helps[key] == d.help and d.help for key, d in declared.items())
+
+
+def test_the_built_in_stacks_are_registered_in_their_order() -> None:
+    assert stack_names() == ("torch", "parallel", "deepspeed", "ds")
+    assert section_stacks() == {"deepspeed": "deepspeed"}
+    config = RunnerConfig()
+    config.steps = 1
+    config.stack = "jax"
+    with pytest.raises(ConfigError, match="use one of: torch, parallel, deepspeed, ds"):
+        config.check()
 
 
 def test_a_config_built_from_the_config_module_alone_holds_the_sections() -> None:
@@ -91,3 +115,23 @@ def test_a_new_section_needs_no_shared_file(isolated_registry: None) -> None:
     slim.steps = 1
     with pytest.raises(ConfigError, match="slim holds at most 8"):
         slim.parse(["--mystack.width", "9", "--mystack.mode", "slim"], exit_on_error=False)
+
+
+def test_a_new_stack_needs_no_shared_file(isolated_registry: None) -> None:
+    register_stack("mystack", "perdure.runners.torch_runner:TorchRunner", aliases=("ms",))
+    register_section("mystack", (SectionKey("width", 4, "ranks per group"),), stack="mystack")
+    assert stack_names()[-2:] == ("mystack", "ms")
+    assert stack_class("ms") is TorchRunner
+    config = RunnerConfig()
+    config.steps = 1
+    config.stack = "ms"
+    config.check()
+    ids = {}
+    for stack in ("torch", "mystack", "ms"):
+        for width in (4, 8):
+            config.stack, config.mystack.width = stack, width
+            ids[stack, width] = config_id(config.to_plain())
+    # its section is identity for itself (by its name or an alias), not for another stack
+    assert ids["torch", 4] == ids["torch", 8]
+    assert ids["mystack", 4] != ids["mystack", 8]
+    assert ids["ms", 4] == ids["mystack", 4] and ids["ms", 8] == ids["mystack", 8]

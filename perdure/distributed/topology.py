@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from perdure.config_checks import SectionKey, register_section
+from perdure.config_checks import SectionKey, register_section, register_stack
 from perdure.errors import ConfigError
 
 AXES = ("replicate", "shard", "tensor", "pipeline", "context", "expert")  # the config's order
@@ -251,6 +251,7 @@ SECTION = (
         "loss_parallel", False, "tensor parallel: the loss on vocabulary-sharded logits (no gather)", boolean=True
     ),
 )
+register_stack("parallel", "perdure.runners.parallel_runner:ParallelRunner")
 register_section("parallel", SECTION, check_parallel_section)
 
 

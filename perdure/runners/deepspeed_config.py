@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from perdure.config_checks import SectionKey, register_section
+from perdure.config_checks import SectionKey, register_section, register_stack
 from perdure.errors import ConfigError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -135,7 +135,8 @@ SECTION = (
     SectionKey("offload_param", False, "ZeRO-3 parameter offload to the CPU"),
     SectionKey("config", None, "raw DeepSpeed settings: a dict, or a JSON / YAML file"),
 )
-register_section("deepspeed", SECTION, check_deepspeed_section)
+register_stack("deepspeed", "perdure.runners.deepspeed_runner:DeepSpeedRunner", aliases=("ds",))
+register_section("deepspeed", SECTION, check_deepspeed_section, stack="deepspeed")
 
 
 def check_engine_config(config: Any, world_size: int) -> None:

@@ -5,25 +5,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from perdure.config_checks import find_stack, stack_names
 from perdure.errors import StackNotAvailableError
 from perdure.runners.base import BaseRunner, RunnerMeta
 
-# The module and class of each stack, imported when a runner of that stack is built: the parallel stack's imports
-# (FSDP, DTensor, DCP's state-dict helpers) cost half a second that a torch-stack process never pays.
-STACKS: dict[str, tuple[str, str]] = {
-    "torch": ("perdure.runners.torch_runner", "TorchRunner"),
-    "parallel": ("perdure.runners.parallel_runner", "ParallelRunner"),
-    "deepspeed": ("perdure.runners.deepspeed_runner", "DeepSpeedRunner"),
-    "ds": ("perdure.runners.deepspeed_runner", "DeepSpeedRunner"),
-}
-
 
 def stack_class(stack: str) -> type[BaseRunner]:
-    """The runner class for `config.stack`, or a clear error for a stack this version does not have."""
-    if stack in STACKS:
-        module, name = STACKS[stack]
+    """The runner class for `config.stack`, or a clear error for a stack this version does not have.
+
+    Each stack registers its runner's module and class (`config_checks.register_stack`), imported only here, when a
+    runner of that stack is built: the parallel stack's imports (FSDP, DTensor, DCP's state-dict helpers) cost half a
+    second that a torch-stack process never pays."""
+    found = find_stack(stack)
+    if found is not None:
+        module, name = found.runner.split(":")
         return getattr(importlib.import_module(module), name)
-    raise StackNotAvailableError(f"config key 'stack' = {stack!r}: unknown stack; use one of {', '.join(STACKS)}")
+    names = ", ".join(stack_names())
+    raise StackNotAvailableError(f"config key 'stack' = {stack!r}: unknown stack; use one of {names}")
 
 
 class _RunnerDispatch(RunnerMeta):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.config import flatten, plain_dict
+from perdure.config_checks import find_stack, section_stacks
 from perdure.errors import CodeIdentityError
 
 # Keys that do not change the maths, as dotted prefixes (`*` matches one section name, e.g. a dataloader split).
@@ -61,7 +62,12 @@ NON_IDENTITY_KEYS = (
     "parallel.loss_parallel",
 )
 
-DEEPSPEED_STACKS = ("deepspeed", "ds")
+
+def _stack_name(value: Any) -> Any:
+    """A stack's own name for `value`, one of its aliases (`ds` is `deepspeed`); any other value as it is."""
+    found = find_stack(value)
+    return value if found is None else found.name
+
 
 # Fixed diff options, so the hash of a dirty tree does not depend on the user's git configuration.
 _DIFF_ARGS = (
@@ -96,12 +102,15 @@ def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
     `stack=deepspeed` (whose alias `ds` counts as `deepspeed`).
     """
     canonical: dict[str, Any] = {}
-    stack = plain_dict(config).get("stack")
+    stack = _stack_name(plain_dict(config).get("stack"))
+    owned = section_stacks()  # sections of one stack (`deepspeed`): no part of another stack's identity
     for key, value in flatten(plain_dict(config)).items():
-        if _excluded(key) or (key.startswith("deepspeed.") and stack not in DEEPSPEED_STACKS):
+        section, dot, _ = key.partition(".")
+        owner = owned.get(section) if dot else None
+        if _excluded(key) or (owner is not None and owner != stack):
             continue
-        if key == "stack" and value in DEEPSPEED_STACKS:
-            value = "deepspeed"
+        if key == "stack":
+            value = _stack_name(value)
         node = canonical
         *sections, leaf = key.split(".")
         for section in sections:
