@@ -59,23 +59,39 @@ class SectionKey:
 
 _SECTIONS: dict[str, tuple[SectionKey, ...]] = {}
 _SECTION_STACKS: dict[str, str] = {}
+_NOT_IDENTITY: dict[str, tuple[str, ...]] = {}
 
 
 def register_section(
-    section: str, keys: tuple[SectionKey, ...], check: SectionCheck | None = None, stack: str | None = None
+    section: str,
+    keys: tuple[SectionKey, ...],
+    check: SectionCheck | None = None,
+    stack: str | None = None,
+    not_identity: tuple[str, ...] = (),
 ) -> None:
     """Declare config section `section` (`parallel`, `deepspeed`, `ft`, ...): `RunnerConfig.__init__` sets its
     `keys` to their defaults after perdure's own keys, sections in the order of their names, keys in the order given;
     `--help` and docs/config.md show each key's help; `check`, if given, is registered as `register_section_check`
     would. `stack`: the section belongs to that stack and is no part of another stack's config identity
-    (`workspace.identity.canonical_config`). Called once, at import, by the module that owns the section (see
-    `register_section_check`); registering a section again replaces it."""
+    (`workspace.identity.canonical_config`). `not_identity`: dotted prefixes inside the section (`parallel.axes`, or
+    the section itself) whose keys are no part of any run's config identity (`workspace.identity.NON_IDENTITY_KEYS`
+    says what may be). Called once, at import, by the module that owns the section (see `register_section_check`);
+    registering a section again replaces it."""
+    outside = [prefix for prefix in not_identity if prefix != section and not prefix.startswith(section + ".")]
+    if outside:
+        raise ValueError(f"section {section!r}: not_identity names {outside[0]!r}, a key outside the section")
     _SECTIONS[section] = tuple(keys)
+    _NOT_IDENTITY[section] = tuple(not_identity)
     _SECTION_STACKS.pop(section, None)
     if stack is not None:
         _SECTION_STACKS[section] = stack
     if check is not None:
         register_section_check(section, check)
+
+
+def non_identity_keys() -> tuple[str, ...]:
+    """The registered sections' prefixes that are no part of a run's config identity (`register_section`)."""
+    return tuple(prefix for _, prefixes in sorted(_NOT_IDENTITY.items()) for prefix in prefixes)
 
 
 def section_stacks() -> dict[str, str]:

@@ -119,7 +119,8 @@ def test_a_new_section_needs_no_shared_file(isolated_registry: None) -> None:
 
 def test_a_new_stack_needs_no_shared_file(isolated_registry: None) -> None:
     register_stack("mystack", "perdure.runners.torch_runner:TorchRunner", aliases=("ms",))
-    register_section("mystack", (SectionKey("width", 4, "ranks per group"),), stack="mystack")
+    keys = (SectionKey("width", 4, "ranks per group"), SectionKey("layout.groups", 2, "how the ranks are grouped"))
+    register_section("mystack", keys, stack="mystack", not_identity=("mystack.layout",))
     assert stack_names()[-2:] == ("mystack", "ms")
     assert stack_class("ms") is TorchRunner
     config = RunnerConfig()
@@ -135,3 +136,7 @@ def test_a_new_stack_needs_no_shared_file(isolated_registry: None) -> None:
     assert ids["torch", 4] == ids["torch", 8]
     assert ids["mystack", 4] != ids["mystack", 8]
     assert ids["ms", 4] == ids["mystack", 4] and ids["ms", 8] == ids["mystack", 8]
+    config.mystack.layout.groups = 3  # declared no part of the identity
+    assert config_id(config.to_plain()) == ids["ms", 8]
+    with pytest.raises(ValueError, match="outside the section"):
+        register_section("other", keys, not_identity=("mystack.layout",))

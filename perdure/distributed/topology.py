@@ -252,7 +252,20 @@ SECTION = (
     ),
 )
 register_stack("parallel", "perdure.runners.parallel_runner:ParallelRunner")
-register_section("parallel", SECTION, check_parallel_section)
+# The parallel layout is no part of the run's config identity (workspace/identity.py): the topology (`parallel.axes`,
+# like the world size) so a run continues on another topology; how a pipeline runs (`parallel.pipeline`: the schedule
+# only reorders microbatches, whose gradients are summed in the same order by every schedule; the number of
+# microbatches only splits the batch into equal parts whose mean losses average to the batch's, changing rounding as a
+# change of world size does); FSDP's memory knobs and activation checkpointing (recomputation with the random state
+# restored: the same values).
+NOT_IDENTITY = (
+    "parallel.axes",
+    "parallel.pipeline",
+    "parallel.fsdp",
+    "parallel.activation_checkpointing",
+    "parallel.loss_parallel",
+)
+register_section("parallel", SECTION, check_parallel_section, not_identity=NOT_IDENTITY)
 
 
 def device_mesh(topology: Topology, device_type: str) -> Any:

@@ -116,4 +116,8 @@ SECTION = (
     SectionKey("quorum_timeout", 60.0, "seconds a quorum may take before the group stops with an error"),
     SectionKey("heartbeat_interval", 0.1, "seconds between the group's heartbeats to the lighthouse"),
 )
-register_section("ft", SECTION, lambda config, get: check_ft(get))
+# No part of the run's config identity (workspace/identity.py): every group of a job shares one run directory, so
+# `ft.replica_id` cannot be identity; the lighthouse, timeouts and `min_replica_size` decide when steps commit, not
+# what a step computes; `ft.enabled` and `ft.group_size` are topology, like the world size (a run continues on another
+# number of groups as it does on another number of ranks, with a topology note).
+register_section("ft", SECTION, lambda config, get: check_ft(get), not_identity=("ft",))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.config import flatten, plain_dict
-from perdure.config_checks import find_stack, section_stacks
+from perdure.config_checks import find_stack, non_identity_keys, section_stacks
 from perdure.errors import CodeIdentityError
 
 # Keys that do not change the maths, as dotted prefixes (`*` matches one section name, e.g. a dataloader split).
@@ -25,15 +25,8 @@ from perdure.errors import CodeIdentityError
 # written, the step / epoch budget (so a run can be extended by resuming it with a larger budget), loader
 # performance knobs, and `deterministic` and `compile` (which kernels compute the same maths: a run may turn them on
 # or off to continue), `perf` (what MFU is measured against).
-# `ft` (TorchFT replica groups): every group of a job shares one run directory, so `ft.replica_id` cannot be identity;
-# the lighthouse, timeouts and `min_replica_size` decide when steps commit, not what a step computes; `ft.enabled` and
-# `ft.group_size` are topology, like the world size (a run continues on another number of groups as it does on another
-# number of ranks, with a topology note).
-# The parallel layout is not identity either: the topology (`parallel.axes`, like the world size) so a run continues on
-# another topology; how a pipeline runs (`parallel.pipeline`: the schedule only reorders microbatches, whose gradients
-# are summed in the same order by every schedule; the number of microbatches only splits the batch into equal parts
-# whose mean losses average to the batch's, changing rounding as a change of world size does); FSDP's memory knobs and
-# activation checkpointing (recomputation with the random state restored: the same values).
+# A registered section's keys that are no part of the identity are declared with the section
+# (`config_checks.register_section(..., not_identity=)`, with the reasons): all of `ft`, the whole parallel layout.
 NON_IDENTITY_KEYS = (
     "workspace",
     "log",
@@ -52,14 +45,8 @@ NON_IDENTITY_KEYS = (
     "dataloader.*.num_workers",
     "dataloader.*.pin_memory",
     "deterministic",
-    "ft",
     "compile",
     "perf",
-    "parallel.axes",
-    "parallel.pipeline",
-    "parallel.fsdp",
-    "parallel.activation_checkpointing",
-    "parallel.loss_parallel",
 )
 
 
@@ -88,7 +75,7 @@ _DIFF_ARGS = (
 
 def _excluded(key: str) -> bool:
     parts = key.split(".")
-    for pattern in NON_IDENTITY_KEYS:
+    for pattern in (*NON_IDENTITY_KEYS, *non_identity_keys()):
         segments = pattern.split(".")
         if len(parts) >= len(segments) and all(s in ("*", p) for s, p in zip(segments, parts)):
             return True
