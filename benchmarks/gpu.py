@@ -267,15 +267,16 @@ def time_save_phases(runner: StallRunner) -> None:
     import gc
 
     import perdure.checkpoints.base as manager_module
-    import perdure.runners.checkpointing as checkpointing_module
+    import perdure.runners.checkpoint_binding as binding_module
     from perdure.checkpoints.async_save import AsyncSaver
 
     phases = runner.phases
-    runner._report_saves = timed(phases, "report", runner._report_saves)
-    checkpointing_module.losses_as_floats = timed(phases, "losses", checkpointing_module.losses_as_floats)
+    binding = runner.checkpointing
+    binding.report_saves = timed(phases, "report", binding.report_saves)  # type: ignore[method-assign]
+    binding_module.losses_as_floats = timed(phases, "losses", binding_module.losses_as_floats)
     runner.telemetry.before_checkpoint = timed(phases, "telemetry", runner.telemetry.before_checkpoint)
     runner.checkpoint_states = timed(phases, "states", runner.checkpoint_states)
-    runner._tensors_changed_by_step = timed(phases, "states", runner._tensors_changed_by_step)
+    binding.tensors_changed_by_step = timed(phases, "states", binding.tensors_changed_by_step)  # type: ignore[method-assign]
     manager = type(runner.checkpoints)  # its class, not the object: the writer process gets a copy of the object
     manager.snapshot_states = timed(phases, "state_dicts", manager.snapshot_states)
     manager._commit_now = timed(phases, "sync_commit", manager._commit_now)
@@ -328,12 +329,18 @@ class StallRunner(Runner):
             self.profiler = None
         return gpt_loss(self.model, self.unpack_batch(batch))
 
-    def _reserve_snapshot_buffers(self) -> None:
-        if self.reserve_started is None:  # called after every optimizer step; the buffers are made after the first
-            self.reserve_started = time.perf_counter()
-        super()._reserve_snapshot_buffers()  # keep the pool, to say what its buffers cost
-        if self.pool is None and self.config.ckpt.async_mode != "disabled":
-            self.pool = self.checkpoints._async_saver().pool
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        reserve = self.checkpointing.reserve_snapshot_buffers
+
+        def reserve_and_keep_the_pool() -> None:
+            if self.reserve_started is None:  # called after every optimizer step; the buffers are made after the first
+                self.reserve_started = time.perf_counter()
+            reserve()
+            if self.pool is None and self.config.ckpt.async_mode != "disabled":
+                self.pool = self.checkpoints._async_saver().pool  # kept, to say what its buffers cost
+
+        self.checkpointing.reserve_snapshot_buffers = reserve_and_keep_the_pool  # type: ignore[method-assign]
 
     def save_checkpoint(self, reason: str) -> Path | None:
         if reason == "final" and self.loop_end is None:

@@ -359,10 +359,16 @@ def test_a_pinning_failure_while_reserving_falls_back_to_pageable_buffers_with_o
 class WaitsForItsBuffers(ResumableRunner):
     """Waits for the reservation it starts, so that which buffers the saves make is deterministic."""
 
-    def _reserve_snapshot_buffers(self):
-        super()._reserve_snapshot_buffers()
-        self.pool = self.checkpoints._async_saver().pool
-        assert self.pool.wait_reserved(30)
+    def __post_init__(self):
+        super().__post_init__()
+        reserve = self.checkpointing.reserve_snapshot_buffers
+
+        def reserve_and_wait():
+            reserve()
+            self.pool = self.checkpoints._async_saver().pool
+            assert self.pool.wait_reserved(30)
+
+        self.checkpointing.reserve_snapshot_buffers = reserve_and_wait
 
     def save_checkpoint(self, reason):
         path = super().save_checkpoint(reason)

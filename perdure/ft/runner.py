@@ -48,6 +48,7 @@ from perdure.ft.replica import ReplicaRunLock, ReplicaStates
 from perdure.ft.telemetry import ReplicaTelemetry
 from perdure.resilience.run_lock import AttemptLock
 from perdure.runners.attempt import AttemptHooks
+from perdure.runners.checkpoint_binding import CheckpointBinding
 from perdure.runners.rng import derived_seed, seed_everything
 from perdure.workspace.run_dir import RunDir
 
@@ -88,6 +89,7 @@ class FaultTolerant(AttemptHooks):
     the runner's MRO."""
 
     telemetry: ReplicaTelemetry  # replaces the stack's in `__init__`
+    checkpointing: CheckpointBinding  # the stack's (`BaseRunner.__post_init__`)
 
     def __init__(self, config: Any) -> None:
         # Read before the stack's __init__, which decides the run and takes this group's lock.
@@ -381,7 +383,7 @@ class FaultTolerant(AttemptHooks):
         position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
         if self.config.ckpt.enabled and self.state.global_step > 0 and position != self._replica_saved:
             meta = {"global_step": position[0], "epoch": position[1], "samples_in_epoch": position[2], "reason": reason}
-            if self.replica_states.save(self._position_name(), self.checkpoint_local_states(), meta):
+            if self.replica_states.save(self.checkpointing.position_name(), self.checkpoint_local_states(), meta):
                 self._replica_saved = position
         return super().save_checkpoint(reason) if self._reporter else None
 

@@ -77,8 +77,8 @@ class AttemptHooks(RunnerFields):
             details["launch"] = self.run_dir.launch.key
         if is_retry():
             details["retry"] = True  # `perdure sweep retry`: attempts without progress are counted from here
-        if self._topology_change is not None:
-            details["topology_change"] = self._topology_change
+        if self.topology_change is not None:
+            details["topology_change"] = self.topology_change
         return details
 
     # ---- the runner's side of the attempt: begun by `train()`, released by `close()`, a failed setup recorded -----

@@ -49,7 +49,8 @@ from perdure.resilience.signals import PreemptionHandler
 from perdure.runners.accumulation import AccumulationMixin
 from perdure.runners.attempt import Attempt, AttemptHooks
 from perdure.runners.cadence import Cadence
-from perdure.runners.checkpointing import CheckpointingMixin, building_for_inspection
+from perdure.runners.checkpoint_binding import NO_WEIGHTS, CheckpointBinding
+from perdure.runners.checkpointing import CheckpointHooks, building_for_inspection, check_same_config
 from perdure.runners.compile import uncompiled
 from perdure.runners.data_setup import DataSetupMixin
 from perdure.runners.determinism import configure_determinism
@@ -87,7 +88,7 @@ class RunnerMeta(ABCMeta):
 
 
 class BaseRunner(
-    AttemptHooks, CheckpointingMixin, EvaluationHooks, MetricsMixin, DataSetupMixin, AccumulationMixin,
+    AttemptHooks, CheckpointHooks, EvaluationHooks, MetricsMixin, DataSetupMixin, AccumulationMixin,
     metaclass=RunnerMeta,
 ):  # fmt: skip
     """The training lifecycle shared by every stack. Subclass a stack (or `Runner`), not this class."""
@@ -102,6 +103,7 @@ class BaseRunner(
     # ---- components, each built with what it reads, passed explicitly --------------------------------------------
     attempt: Attempt  # `__init__`: the run decided, the attempt begun, released, a failed setup (runners/attempt.py)
     evaluator: Evaluator  # `__post_init__`: evaluation loops, results and the best score (runners/evaluation.py)
+    checkpointing: CheckpointBinding  # `__post_init__`: saves, their failures, the restore (checkpoint_binding.py)
 
     def __init__(self, config: RunnerConfig) -> None:
         if not isinstance(config, RunnerConfig):
@@ -127,8 +129,6 @@ class BaseRunner(
         self.dataloaders = {}
         self.is_best = False
         self.save_failures = []
-        self._ending = False
-        self._budget_done = lambda: False
         self.preemption = PreemptionHandler()
         self.stop_signal = 0  # the signal all ranks agreed to stop for (0: none)
         self.rank, self.world_size = self.init_distributed()
@@ -157,7 +157,7 @@ class BaseRunner(
         if self.is_main_process:
             decision = self.attempt.decide(
                 checkpoint_manager=self._checkpoint_manager_for,
-                check_same_config=self._check_same_config,
+                check_same_config=lambda info: check_same_config(config, info),
                 read_pretrained=self.read_pretrained,
             )
         self.run_dir, self.restore_source = self.attempt.agree_on_run(decision)
@@ -166,14 +166,10 @@ class BaseRunner(
             self.checkpoints = self.attempt.checkpoints
         else:
             self.checkpoints = self._checkpoint_manager()
-        if self.restore_source.kind == "pretrained":
-            assert self.restore_source.path is not None  # a pretrained source carries its weights' path
-            self._pretrained_weights = self.read_pretrained(self.restore_source.path)
         self.hang_watch = HangWatch.for_runner(self)  # dist.step_timeout: started with the attempt (attempt.py)
         loggers = self.metric_loggers() if self.is_main_process else []
         self.telemetry = RunTelemetry(self.run_dir, config, self.state, loggers, active=self.is_main_process)
-        self._saved_position = None
-        self._topology_change = None  # set by a restore on another world size
+        self.topology_change = None  # set by a restore on another topology (`note_topology`)
         self._losses = []
         self._skips = SkippedSteps(config.resilience.max_consecutive_skips)
         self.meter = ThroughputMeter(self.world_size)  # the speed, memory and ETA columns of train log lines
@@ -218,6 +214,25 @@ class BaseRunner(
             telemetry=self.telemetry,
             meter=self.meter,
             logger=self.logger,
+        )
+        pretrained = NO_WEIGHTS
+        if self.restore_source.kind == "pretrained":
+            assert self.restore_source.path is not None  # a pretrained source carries its weights' path
+            pretrained = self.read_pretrained(self.restore_source.path)
+        self.checkpointing = CheckpointBinding(
+            self,
+            config=self.config,
+            state=self.state,
+            rank=self.rank,
+            world_size=self.world_size,
+            run_dir=self.run_dir,
+            checkpoints=self.checkpoints,
+            dataloaders=self.dataloaders,
+            telemetry=self.telemetry,
+            meter=self.meter,
+            save_failures=self.save_failures,
+            logger=self.logger,
+            pretrained=pretrained,
         )
         if self.model is None:
             raise PerdureError(f"{type(self).__name__}.__init__ must assign self.model before it returns")
@@ -451,7 +466,7 @@ class BaseRunner(
         yourself only for a runner you built without training it (e.g. with `from_checkpoint`) once done with it:
         then it writes nothing."""
         try:
-            self._report_saves(self.checkpoints.close())
+            self.checkpointing.report_saves(self.checkpoints.close())
         finally:
             try:
                 self.telemetry.finish(*self.hang_watch.outcome(status, reason))
@@ -474,7 +489,7 @@ class BaseRunner(
         def done() -> bool:
             return budget_reached() or self.state.early_stopped
 
-        self._budget_done = done
+        self.checkpointing.budget_done = done
         # Installed until the last save is drained: a second SIGINT during a forced save still exits at once.
         self.preemption.install()
         try:
@@ -561,7 +576,7 @@ class BaseRunner(
             self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.unwrap_model())
-        self._reserve_snapshot_buffers()
+        self.checkpointing.reserve_snapshot_buffers()
         self.state.global_step += 1
         self._losses.append(loss)
         self.telemetry.step(self.state.global_step)
@@ -624,7 +639,7 @@ class BaseRunner(
         if not self._evaluate_and_score():
             self._stop_for_preemption()
         if self.is_best and self.config.ckpt.enabled:
-            self.checkpoints.point_best(self._position_name())
+            self.checkpoints.point_best(self.checkpointing.position_name())
 
     def stop_requested(self) -> bool:
         """Called after every optimizer step, and before each batch of the loop's evaluations (as many as every rank
@@ -645,14 +660,14 @@ class BaseRunner(
 
     def _finish(self) -> None:
         """Training is over (budget or early stop): final checkpoint, drain, export."""
-        self._ending = True
+        self.checkpointing.ending = True
         evaluated = str(self.state.global_step) in self.state.results
         if self.config.training_mode() == "steps" and self.evaluator.splits() and not evaluated:
             self.is_best = False
             if not self._evaluate_and_score():
                 self._stop_for_preemption()
         self.save_checkpoint("final")
-        self._report_saves(self.checkpoints.close())
+        self.checkpointing.report_saves(self.checkpoints.close())
         if self.config.ckpt.enabled:
             self.write_final_exports()  # every rank: a sharded model is exported collectively
         self.logger.info(
@@ -662,12 +677,12 @@ class BaseRunner(
     def _stop_for_preemption(self) -> None:
         """A signal asked to stop: save this step, drain the writer, exit with 128 + signal (or the configured code)."""
         signum = self.stop_signal
-        self._ending = True
+        self.checkpointing.ending = True
         self.logger.warning(
             "received %s: checkpointing step %d and exiting", signal.Signals(signum).name, self.state.global_step
         )
         self.save_checkpoint("preemption")
-        self._report_saves(self.checkpoints.close())
+        self.checkpointing.report_saves(self.checkpoints.close())
         exit_code = self.config.resilience.exit_code
         raise SystemExit(128 + signum if exit_code is None else exit_code)
 

@@ -1,9 +1,10 @@
-"""Checkpointing: what the runner saves and restores, and how a failed save is reported."""
+"""Checkpointing: the runner's override points of the checkpoint contract (what is saved and restored, weights read,
+exports, the constructors from a checkpoint or weights); the state and the work are the component's
+(`CheckpointBinding`, runners/checkpoint_binding.py)."""
 
 from __future__ import annotations
 
 import re
-import time
 from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,26 +12,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
-from perdure.checkpoints.async_save import SaveOutcome
 from perdure.checkpoints.base import Stateful
-from perdure.checkpoints.commit import checkpoint_name, read_pointer
+from perdure.checkpoints.commit import read_pointer
 from perdure.checkpoints.hf_adapter import StateDictAdapter
-from perdure.checkpoints.hf_export import HF_META
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
-from perdure.checkpoints.snapshot import storage_key
 from perdure.checkpoints.source import RestoreSource
-from perdure.checkpoints.weights_fit import check_weights_fit, in_model_layout, with_tied
+from perdure.checkpoints.weights_fit import in_model_layout
 from perdure.config import RunnerConfig
-from perdure.errors import CheckpointError, CheckpointSaveError, CheckpointStateError, PerdureError
+from perdure.errors import CheckpointError, PerdureError
 from perdure.loggers.console import get_logger
-from perdure.resilience.grace import GraceCheck, find_grace
 from perdure.resilience.hang_watch import watched_phase
-from perdure.runners.compile import plain_name, plain_state_dict, strip_compile_prefix, uncompiled
+from perdure.runners.checkpoint_binding import CheckpointBinding, load_matching_weights
+from perdure.runners.compile import plain_state_dict
 from perdure.runners.export import StreamSource, export_streamed, export_weights, read_weights, save_safetensors
 from perdure.runners.fields import RunnerFields
-from perdure.runners.hf_export import check_hf_export, export_hf, hf_metadata, hf_requested, write_whole_weights
-from perdure.runners.losses import losses_as_floats
-from perdure.runners.rng import RNGState, derived_seed, seed_everything
+from perdure.runners.hf_export import check_hf_export, export_hf, write_whole_weights
+from perdure.runners.rng import RNGState
 from perdure.safe_io import read_yaml
 from perdure.wording import counted
 from perdure.workspace.identity import canonical_config, config_diff
@@ -47,14 +44,14 @@ RUNNER_STATE_NAMES = frozenset(
 USER_STATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # no dots: DCP keys are `name.` + the object's keys
 
 
-class CheckpointingMixin(RunnerFields):
-    """The runner's side of the checkpoint contract: which objects go in (and in what order they come back), when a
-    position counts as saved, failures, exports, and the `from_checkpoint` / `from_pretrained` constructors. Part of
-    `BaseRunner` (one concept per file); the bytes and the commit protocol belong to the CheckpointManager."""
+class CheckpointHooks(RunnerFields):
+    """The checkpoint binding's override points, with their defaults (`BaseRunner` inherits them; the stacks and the
+    TorchFT layer override them): which objects go into a checkpoint and in what order they come back, the save and
+    the restore (whose work the component `self.checkpointing` does: runners/checkpoint_binding.py), how
+    `--pretrained` weights are read and mapped, the exports, and the `from_checkpoint` / `from_pretrained`
+    constructors. The bytes and the commit protocol belong to the CheckpointManager (checkpoints/)."""
 
-    _snapshot_buffers_reserved = False  # by the first optimizer step of the attempt
-    _config_yaml: tuple[dict, str] | None = None  # the config's plain form and its YAML, as last written
-    _grace: GraceCheck | None = None  # made at the first save: compares it with the grace window (resilience/grace.py)
+    checkpointing: CheckpointBinding  # built by `BaseRunner.__post_init__`
 
     def checkpoint_states(self) -> dict[str, Stateful]:
         """Replicated objects, in restore order: state, model, EMA, optimizer, scheduler, the stack's extras, then the
@@ -100,163 +97,32 @@ class CheckpointingMixin(RunnerFields):
     def save_checkpoint(self, reason: str) -> Path | None:
         """Save the current position (once per position); `reason` (interval, best, final, preemption) goes into the
         manifest. Async modes return as soon as the snapshot is handed over. A failed save is reported and, unless it
-        is a final or preemption save or `ckpt.on_error=raise`, training goes on."""
-        self._report_saves(self.checkpoints.take_outcomes())
-        if not self.config.ckpt.enabled:
-            return None
-        position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
-        if position == self._saved_position or self.state.global_step == 0:
-            return None
-        name = self._position_name()
-        meta = {
-            "global_step": self.state.global_step,
-            "epoch": self.state.epoch,
-            "samples_in_epoch": self.state.samples_in_epoch,
-            "reason": reason,
-            "score": self.state.best_score if self.state.best_step == self.state.global_step else None,
-        }
-        is_best = self.state.best_step == self.state.global_step
-        self.state.pending_losses = losses_as_floats(self._losses)  # plain numbers: one device sync per save
-        started = time.perf_counter()
-        self.telemetry.before_checkpoint()
-        try:
-            path = self.checkpoints.save(
-                name,
-                self.checkpoint_states(),
-                self.checkpoint_local_states(),
-                meta=meta,
-                is_best=is_best,
-                texts=self._checkpoint_texts(),
-                persistent=reason != "interval" or is_best,
-                deferred=self._tensors_changed_by_step(),
-            )
-        except CheckpointStateError:
-            raise  # no save of this state will ever work: the run stops at its first save
-        except CheckpointSaveError as error:
-            self._save_failed(name, reason, str(error))
-            return None
-        self._saved_position = position
-        self.meter.exclude(time.perf_counter() - started)  # not training time: kept out of step_time
-        self.telemetry.goodput.blocked("checkpoint_stall", time.perf_counter() - started)
-        if path is not None:
-            seconds = time.perf_counter() - started
-            if self.config.ckpt.async_mode == "disabled":
-                self.logger.info("saved %s (%s) in %.3fs", path.name, reason, seconds)
-                self.telemetry.checkpoint(path.name, seconds=seconds, best=path.name if is_best else None)
-                self._save_took(seconds)
-            else:
-                self.logger.info("snapshotted %s (%s) in %.3fs; writing in the background", path.name, reason, seconds)
-        return path
+        is a final or preemption save or `ckpt.on_error=raise`, training goes on.
 
-    def _checkpoint_texts(self) -> dict[str, str]:
-        """The small text files of each checkpoint: its config, and `hf.json` when `ckpt.export_format` has hf."""
-        plain = self.config.to_plain()
-        if self._config_yaml is None or self._config_yaml[0] != plain:  # dumped again only when it changed: the
-            self._config_yaml = (plain, yaml.safe_dump(plain, sort_keys=True))  # dump was most of a small save's time
-        texts = {"config.yaml": self._config_yaml[1]}
-        if hf_requested(self):
-            texts[HF_META] = hf_metadata(self)
-        return texts
-
-    def _position_name(self) -> str:
-        """The checkpoint name of the current position: `ckpt-e…` at an epoch end in epoch mode, else `ckpt-s…`."""
-        if self.config.training_mode() == "epochs" and self.state.samples_in_epoch == 0:
-            return checkpoint_name(epoch=self.state.epoch)
-        return checkpoint_name(step=self.state.global_step)
-
-    def _reserve_snapshot_buffers(self) -> None:
-        """After each optimizer step; once per attempt, the first time: the host buffers of async saves are made in
-        the background while training goes on (see `CheckpointManager.reserve_snapshot_buffers`)."""
-        if self._snapshot_buffers_reserved:
-            return
-        self._snapshot_buffers_reserved = True
-        if self.config.ckpt.enabled and self.config.ckpt.async_mode != "disabled":
-            # by storage: a parameter is in the model's state dict and among what the step changes
-            tensors: dict[tuple[str, int], torch.Tensor] = {}
-            for tensor in [*self.unwrap_model().state_dict().values(), *self._tensors_changed_by_step()]:
-                tensors.setdefault(storage_key(tensor), tensor)
-            self.checkpoints.reserve_snapshot_buffers(tensors.values())
-
-    def _tensors_changed_by_step(self) -> list[torch.Tensor]:
-        """Tensors only the optimizer step (and the EMA update after it) changes: an async save copies them late."""
-        tensors: list[torch.Tensor] = list(self.unwrap_model().parameters())
-        for state in self.optimizer.state.values():
-            tensors.extend(value for value in state.values() if isinstance(value, torch.Tensor))
-        if self.ema is not None:
-            tensors.extend(self.ema.shadow.values())
-        return tensors
-
-    def _report_saves(self, outcomes: list[SaveOutcome]) -> None:
-        for failure in self.checkpoints.mirror_failures():  # the uploader warned already; recorded like a failed save
-            self.save_failures.append(f"{failure.name} (mirror): {failure.error}")
-            self.telemetry.save_failed(failure.name, f"mirror: {failure.error}")
-        for outcome in outcomes:
-            if outcome.fatal:
-                raise CheckpointStateError(outcome.error)
-            if outcome.error is None:
-                self.logger.info("committed %s (%s) in the background in %.2fs", outcome.name, outcome.reason,
-                                 outcome.seconds)  # fmt: skip
-                best = read_pointer(self.run_dir.checkpoints, "best")
-                self.telemetry.checkpoint(outcome.name, seconds=outcome.seconds, best=best, background=True)
-                self._save_took(outcome.seconds)
-            else:
-                self._save_failed(outcome.name, outcome.reason, outcome.error)
-
-    def _save_took(self, seconds: float) -> None:
-        if self._grace is None:
-            self._grace = GraceCheck(find_grace(self.config.resilience.grace_s), self.logger)
-        self._grace.saved(seconds)
-
-    def _save_failed(self, name: str, reason: str, error: str) -> None:
-        """A save failed: always reported; raised for final / preemption saves and with `ckpt.on_error=raise`."""
-        self.save_failures.append(f"{name}: {error}")
-        self.telemetry.save_failed(name, error)
-        message = (
-            f"checkpoint {name} ({reason}) failed: {error}. Its partial directory was removed and every committed "
-            f"checkpoint is intact (latest: {read_pointer(self.run_dir.checkpoints, 'latest')})."
-        )
-        # The save of the position training ends at is the one a rerun needs: losing it is never just a warning.
-        final = (self._ending or self._budget_done()) and name == self._position_name()
-        if final or reason in ("final", "preemption") or self.config.ckpt.on_error == "raise":
-            raise CheckpointSaveError(message)
-        self.logger.error("%s Training goes on (ckpt.on_error=warn).", message)
+        Called by the loop at its save points (the interval, an improved score, the end, a preemption signal), on
+        every rank; the work is `self.checkpointing.save` (runners/checkpoint_binding.py). A stack or the TorchFT
+        layer extends it (saving state of its own at the same position) and calls `super().save_checkpoint(reason)`;
+        it may not change the training state."""
+        return self.checkpointing.save(reason, self._losses)
 
     def restore(self, source: RestoreSource) -> None:
-        """Load what `choose_restore_source` decided, in the order state, model, EMA, optimizer, scheduler, data."""
-        self.logger.info("%s", source.describe())
-        if source.kind in ("resume", "checkpoint"):
-            info = source.info
-            assert info is not None  # a resume or checkpoint source carries its checkpoint
-            if not self.checkpoints.load(info, self.checkpoint_states(), self.checkpoint_local_states()):
-                seed = derived_seed(self.config.seed, self.random_stream(), self.state.global_step)
-                seed_everything(seed)
-                self.logger.warning(
-                    "%s was written by %s and holds no state for rank %d: its RNGs are seeded from (seed, rank, "
-                    "step) = %d instead; its data position comes from the replicated state",
-                    info.name,
-                    counted(info.manifest.get("world_size"), "rank"),
-                    self.rank,
-                    seed,
-                )
-            self._saved_position = (self.state.global_step, self.state.epoch, self.state.samples_in_epoch)
-            self._note_topology(info)
-            self._note_dataset_change(info)
-        elif source.kind == "pretrained":
-            assert source.path is not None  # a pretrained source carries its weights' path
-            weights = in_model_layout(self._pretrained_weights, source.path, self.state_dict_adapter())
-            del self._pretrained_weights
-            load_matching_weights(self.unwrap_model(), weights, source.path)
+        """Called once in `__post_init__`, after the dataloaders are built and before the model is wrapped: load what
+        the run starts from (`source`, decided when the runner was built): a checkpoint's objects in the order state,
+        model, EMA, optimizer, scheduler, the stack's extras, the user's, then data and RNGs; or `--pretrained`
+        weights into the model (`self.checkpointing.restore`). A stack overrides it to restore its own way (the
+        engine builds first, weights read into shards) and calls `super().restore(source)` for the rest; the TorchFT
+        layer adds its replica group's state. Must restore all of a position or raise."""
+        self.checkpointing.restore(source)
 
-    def _note_topology(self, info: CheckpointInfo) -> None:
-        """A resume on another world size changes the global batch: say so once, and keep it for the attempt."""
+    def note_topology(self, info: CheckpointInfo) -> dict[str, Any] | None:
+        """Called by the restore of checkpoint `info`, on every rank: what changed between the topology that wrote it
+        and this attempt's (logged once, as a warning), as the attempt's record keeps it (`topology_change`), or None
+        when nothing did. Default: the world size, and with it the global batch. The parallel stack compares its
+        mesh axes. Must not change any state."""
         before = info.manifest.get("world_size")
         if not isinstance(before, int) or isinstance(before, bool) or before == self.world_size:
-            return
+            return None
         per_rank = self.config.loader_options("train")["batch_size"] * self.config.accum_steps
-        self._topology_change = {
-            "world_size": [before, self.world_size],
-            "global_batch": [per_rank * before, per_rank * self.world_size],
-        }
         self.logger.warning(
             "TOPOLOGY CHANGE: %s was written by %s, this attempt runs on %s: the global batch changes from %d "
             "to %d samples per optimizer step (%d per rank x %d accumulation x ranks); the data position continues "
@@ -269,40 +135,8 @@ class CheckpointingMixin(RunnerFields):
             self.config.loader_options("train")["batch_size"],
             self.config.accum_steps,
         )
-
-    def _note_dataset_change(self, info: CheckpointInfo) -> None:
-        """A train split whose length changed since the checkpoint (files added to a folder between attempts): an
-        epoch's order is a function of the length too, so the resume cannot be exact. Say so, and what it does to the
-        epoch the checkpoint interrupted; training goes on, since the new data may be what the user wants."""
-        change = self.dataloaders["train"].length_change()
-        if change is None or not self.is_main_process:
-            return
-        was, now = change
-        self.logger.warning(
-            "DATASET CHANGE: %s was written when the train split had %d samples; it has %d now. Epoch %d goes on "
-            "from its sample %d in an order of %d samples, not the order of %d it was begun in, so it may read some "
-            "samples twice and others not at all, and the resume is not bit-exact. To continue exactly, give the "
-            "train split back the %d samples it had, in the same order.",
-            info.name,
-            was,
-            now,
-            self.state.epoch,
-            self.state.samples_in_epoch,
-            now,
-            was,
-            was,
-        )
-
-    def _check_same_config(self, info: CheckpointInfo) -> None:
-        stored = read_stored_config(info.path) if (info.path / "config.yaml").exists() else {}
-        theirs, ours = canonical_config(stored), canonical_config(self.config)
-        if theirs != ours:
-            lines = "\n  ".join(config_diff(theirs, ours, a_label="checkpoint", b_label="current"))
-            raise CheckpointError(
-                f"checkpoint {info.path} was made with a different config, so resuming it would not continue the "
-                f"same run:\n  {lines}\nUse the checkpoint's config (Runner.from_checkpoint), or load only its "
-                f"weights with --pretrained {info.path}."
-            )
+        batches = [per_rank * before, per_rank * self.world_size]
+        return {"world_size": [before, self.world_size], "global_batch": batches}
 
     def load_pretrained(self, path: Path, ema: bool = False) -> None:
         """Load model (or EMA) weights only, from an exported `.pth` file or any checkpoint path."""
@@ -410,7 +244,8 @@ class CheckpointingMixin(RunnerFields):
                 written.append(export_weights(state, self.run_dir.path / f"{name}.pth", dtype))
             if "safetensors" in formats:
                 # published with the file: the run and the checkpoint of these weights, no path of this machine
-                metadata = {"format": "pt", "run": self.run_dir.run_id, "checkpoint": self._position_name()}
+                position = self.checkpointing.position_name()
+                metadata = {"format": "pt", "run": self.run_dir.run_id, "checkpoint": position}
                 written.append(save_safetensors(state, self.run_dir.path / f"{name}.safetensors", dtype, metadata))
         return written[0] if written else None
 
@@ -424,7 +259,7 @@ class CheckpointingMixin(RunnerFields):
         formats = [fmt for fmt in ("pth", "safetensors") if fmt in formats]
         metadata = {}
         if self.is_main_process:  # published with the file, as write_exports does
-            metadata = {"format": "pt", "run": self.run_dir.run_id, "checkpoint": self._position_name()}
+            metadata = {"format": "pt", "run": self.run_dir.run_id, "checkpoint": self.checkpointing.position_name()}
         written: list[Path] = []
         for name, source in sources.items():
             paths = {fmt: self.run_dir.path / f"{name}.{fmt}" for fmt in formats} if self.is_main_process else None
@@ -484,25 +319,18 @@ def building_for_inspection() -> bool:
 _INSPECTION: ContextVar[bool] = ContextVar("perdure_inspection", default=False)
 
 
-def load_matching_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: Path) -> None:
-    """`model.load_state_dict(weights)`, refusing with a CheckpointError that names the missing, unexpected and
-    mis-shaped keys (the first few of each, and how many) instead of torch's long traceback. Names are matched
-    without `torch.compile`'s `_orig_mod.`, so weights load into a compiled or an uncompiled model alike."""
-    model = uncompiled(model)
-    names = {plain_name(key): key for key in model.state_dict()}
-    expected = plain_state_dict(model)
-    weights = with_tied(strip_compile_prefix(weights), expected)  # `save_pretrained` leaves tied copies out
-    check_weights_fit(
-        type(model).__name__,
-        {key: _shape(value) for key, value in expected.items()},
-        {key: _shape(value) for key, value in weights.items()},
-        source,
-    )
-    model.load_state_dict({names[key]: value for key, value in weights.items()})
-
-
-def _shape(value: Any) -> tuple[int, ...] | None:
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+def check_same_config(config: RunnerConfig, info: CheckpointInfo) -> None:
+    """Rank 0, deciding the run (`Attempt.decide`): a checkpoint to continue was made with this config (its
+    identity: `canonical_config`), or a CheckpointError shows the difference and what to do instead."""
+    stored = read_stored_config(info.path) if (info.path / "config.yaml").exists() else {}
+    theirs, ours = canonical_config(stored), canonical_config(config)
+    if theirs != ours:
+        lines = "\n  ".join(config_diff(theirs, ours, a_label="checkpoint", b_label="current"))
+        raise CheckpointError(
+            f"checkpoint {info.path} was made with a different config, so resuming it would not continue the "
+            f"same run:\n  {lines}\nUse the checkpoint's config (Runner.from_checkpoint), or load only its "
+            f"weights with --pretrained {info.path}."
+        )
 
 
 def read_stored_config(checkpoint: Path) -> dict[str, Any]:

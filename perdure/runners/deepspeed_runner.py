@@ -124,8 +124,7 @@ class DeepSpeedRunner(TorchRunner):
             if self.config.deepspeed.zero_stage == 3:
                 self.logger.info("%s", source.describe())
                 assert source.path is not None  # a pretrained source carries its weights' path
-                self._load_pretrained_slices(self._pretrained_weights, source.path)
-                del self._pretrained_weights
+                self._load_pretrained_slices(self.checkpointing.take_pretrained(), source.path)
             else:
                 super().restore(source)  # into the whole module
             self._build_engine()
@@ -236,7 +235,7 @@ class DeepSpeedRunner(TorchRunner):
             return self.stream_exports(sources)
         written = None
         if self.is_main_process:
-            weights = read_deepspeed_weights(self.run_dir.checkpoints / self._position_name())
+            weights = read_deepspeed_weights(self.run_dir.checkpoints / self.checkpointing.position_name())
             if stage > 0:  # keyed by parameter name: into the module's state-dict layout
                 weights = as_module_state_dict(self.engine.module, weights)
             written = self.write_exports(weights, None)

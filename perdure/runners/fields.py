@@ -1,9 +1,10 @@
 """RunnerFields: the runner's shared fields and the override points its parts call, declared once and typed.
 
-`BaseRunner` owns components (`runner.attempt`: runners/attempt.py; `runner.evaluator`: runners/evaluation.py),
-inherits their override points (`AttemptHooks`, `EvaluationHooks`), and is put together from parts, one concept per
-file (checkpointing.py, metrics.py, data_setup.py, accumulation.py); a stack (torch_runner.py, parallel_runner.py,
-deepspeed_runner.py) and the TorchFT layer (`perdure.ft.runner.FaultTolerant`) sit in front of it. Each piece
+`BaseRunner` owns components (`runner.attempt`: runners/attempt.py; `runner.evaluator`: runners/evaluation.py;
+`runner.checkpointing`: runners/checkpoint_binding.py), inherits their override points (`AttemptHooks`,
+`EvaluationHooks`, `CheckpointHooks`: checkpointing.py), and is put together from parts, one concept per file
+(metrics.py, data_setup.py, accumulation.py); a stack (torch_runner.py, parallel_runner.py, deepspeed_runner.py) and
+the TorchFT layer (`perdure.ft.runner.FaultTolerant`) sit in front of it. Each piece
 reads fields that `BaseRunner.__init__` (or another piece) sets, and calls methods that BaseRunner, another part or a
 stack defines.
 Every part and the TorchFT layer inherit this class, so those fields and methods are declared in one place, and a
@@ -81,15 +82,12 @@ class RunnerFields:
     run_dir: RunDir
     restore_source: RestoreSource
     checkpoints: CheckpointManager
-    _pretrained_weights: Any  # `read_pretrained`'s, from `__init__` to the restore
+    # what a restore on another topology changed (`note_topology`), kept in the attempt's record; None: nothing
+    topology_change: dict[str, Any] | None
 
     # ---- the training loop (runners/base.py) -------------------------------------------------------------------
     cadence: Cadence  # set when training starts
     save_schedule: SaveSchedule  # set when training starts
-    _ending: bool  # the final or preemption save is under way
-    _budget_done: Callable[[], bool]
-    _saved_position: tuple[int, int, int] | None  # (global_step, epoch, samples_in_epoch) of the last save
-    _topology_change: dict[str, Any] | None  # set by a restore on another world size
     _losses: list[torch.Tensor | float]  # since the last log line: floats carried over a resume, then tensors
     _skips: SkippedSteps
 
@@ -193,10 +191,7 @@ class RunnerFields:
     def write_hf_weights(self, staging: Path, ema: bool) -> None:
         raise NotImplementedError
 
-    def _position_name(self) -> str:
-        raise NotImplementedError
-
-    def _check_same_config(self, info: CheckpointInfo) -> None:
+    def note_topology(self, info: CheckpointInfo) -> dict[str, Any] | None:
         raise NotImplementedError
 
     # runners/data_setup.py

@@ -174,8 +174,7 @@ class ParallelRunner(TorchRunner):
         meta = is_meta_model(model)  # built on the meta device: each rank allocates its shards once they are cut
         pretrained = None  # `--pretrained`: names and shapes checked on the whole model, read into the shards below
         if self.restore_source.kind == "pretrained":
-            pretrained = plan_pretrained(model, self._pretrained_weights, self.state_dict_adapter())
-            del self._pretrained_weights
+            pretrained = plan_pretrained(model, self.checkpointing.take_pretrained(), self.state_dict_adapter())
         self.mesh = device_mesh(self.topology, self.device.type)
         parts = self.split_pipeline(model, self.mesh) if self.topology.pipeline > 1 else [model]
         for part in parts:
@@ -454,8 +453,9 @@ class ParallelRunner(TorchRunner):
         plan = plan_pretrained(self.model_parts, slices, self.state_dict_adapter(), whole=self.topology.pipeline == 1)
         load_shards(self.model_parts, plan)
 
-    def _note_topology(self, info: CheckpointInfo) -> None:
-        """A resume on another topology: say what changed (the global batch follows the data ranks)."""
+    def note_topology(self, info: CheckpointInfo) -> dict[str, Any] | None:
+        """A resume on another topology (the override point's contract: checkpointing.py): the mesh axes too; the
+        global batch follows the data ranks."""
         before = Topology.from_manifest(info.manifest.get("topology"))
         if before is None:
             world_size = info.manifest.get("world_size")
@@ -469,7 +469,7 @@ class ParallelRunner(TorchRunner):
             "global_batch": [per_rank * before.data_size, per_rank * self.topology.data_size],
         }
         if not self.is_main_process:
-            return
+            return change
         now, was = per_rank * self.topology.data_size, per_rank * before.data_size
         batch = f"stays {now}" if now == was else f"changes from {was} to {now}"
         self.logger.warning(
@@ -483,6 +483,7 @@ class ParallelRunner(TorchRunner):
             self.topology.data_size,
             "" if self.topology.data_size == 1 else "s",
         )
+        return change
 
     def export_model(self) -> Path | None:
         """Write the full weights of the whole model (each part's state dict through its hooks) on rank 0, streamed
