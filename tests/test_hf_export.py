@@ -199,3 +199,45 @@ def test_weights_past_the_shard_size_go_to_several_files_with_an_index(tmp_path)
         HFShardWriter(tmp_path, [("a", (2,), torch.float32), ("b", (2,), torch.float32)]).add("b", torch.zeros(2))
     with pytest.raises(PerdureError, match="never came"):
         HFShardWriter(tmp_path, [("a", (2,), torch.float32), ("b", (2,), torch.float32)]).finish()
+
+
+def test_the_probe_tells_an_adapter_that_maps_each_key_alone_from_one_that_maps_keys_together():
+    """`probe_adapter` (on tensors on the meta device): a renaming, permuting, splitting adapter streams, in the
+    order `to_hf` of the whole state dict gives; one that concatenates, needs another key, or gives one tensor twice
+    takes the whole path, with the reason."""
+    from perdure.runners.hf_export import KeywisePlan, probe_adapter
+
+    shapes = {"b.weight": (torch.float32, (4, 2)), "a.weight": (torch.float32, (4, 2)), "a.bias": (torch.float32, (4,))}
+
+    class Split:
+        def to_hf(self, state):
+            out = {}
+            for key, value in sorted(state.items()):  # a.bias, a.weight, b.weight
+                if key == "a.weight":
+                    out["a.top"], out["a.bottom"] = value.chunk(2)
+                else:
+                    out[f"hf.{key}"] = value.flip(0)
+            return out
+
+    class Concat:
+        def to_hf(self, state):
+            out = dict(state)
+            if "a.weight" in out and "b.weight" in out:
+                out["ab"] = torch.cat([out.pop("a.weight"), out.pop("b.weight")])
+            return out
+
+    class Needs:
+        def to_hf(self, state):
+            return {key: value * state["a.bias"].sum() for key, value in state.items()}
+
+    class Twice:
+        def to_hf(self, state):
+            return {**state, **({"tied": state["b.weight"]} if "b.weight" in state else {})}
+
+    plan = probe_adapter(Split(), shapes)
+    assert isinstance(plan, KeywisePlan)
+    assert plan.order == ("a.bias", "a.weight", "b.weight")
+    assert plan.outputs["a.weight"] == (("a.top", (2, 2), torch.float32), ("a.bottom", (2, 2), torch.float32))
+    assert "alone maps to 'b.weight', which the whole state dict does not hold" in str(probe_adapter(Concat(), shapes))
+    assert "fails on 'b.weight' alone (KeyError" in str(probe_adapter(Needs(), shapes))
+    assert "returns 'tied' as the same tensor as another key" in str(probe_adapter(Twice(), shapes))

@@ -50,7 +50,13 @@ from perdure.runners.compile import strip_compile_prefix, uncompiled
 from perdure.runners.deepspeed_config import engine_config
 from perdure.runners.ema import ExponentialMovingAverage, average_into
 from perdure.runners.export import StreamSource, export_streamed
-from perdure.runners.hf_export import export_dtype, stream_weights, tied_keys, write_whole_weights
+from perdure.runners.hf_export import (
+    export_dtype,
+    stream_adapted,
+    stream_weights,
+    tied_keys,
+    write_whole_weights,
+)
 from perdure.runners.pretrained_shards import describe_reads, load_shards, plan_pretrained
 from perdure.runners.torch_runner import NO_CONTEXT, TorchRunner
 from perdure.runners.zero3_export import zero3_source
@@ -250,9 +256,11 @@ class DeepSpeedRunner(TorchRunner):
         """The `hf` export's weights (the override point's contract: checkpointing.py), tensor by tensor
         (`zero3_source`, as `model.pth`): every rank gathers one fp32 parameter, or one hooked module's state dict,
         and rank 0 appends each tensor to its shard file (`stream_weights`). A ZeRO-3 EMA streams its shadows the same
-        way (`stream_source`: one gathered at a time); a ZeRO 1-2 EMA is whole on every rank already. With an adapter,
-        `to_hf` needs the whole state dict: gathered on rank 0 only, one tensor at a time. Never through
-        `save_pretrained`: a ZeRO-3 module holds only its partition. A collective: every rank calls it."""
+        way (`stream_source`: one gathered at a time); a ZeRO 1-2 EMA is whole on every rank already. With an adapter
+        that maps each key on its own (`hf_export.stream_adapted`), the same, each tensor mapped alone through `to_hf`;
+        with one that maps keys together, `to_hf` needs the whole state dict: gathered on rank 0 only, one tensor at a
+        time. Never through `save_pretrained`: a ZeRO-3 module holds only its partition. A collective: every rank
+        calls it."""
         adapter = self.state_dict_adapter()
         tied = set(tied_keys(uncompiled(self.unwrap_model())))
         if not ema:
@@ -266,6 +274,8 @@ class DeepSpeedRunner(TorchRunner):
             return
         if adapter is None:
             stream_weights(self, source, tied, staging, export_dtype(self))
+            return
+        if stream_adapted(self, source, tied, staging, export_dtype(self), adapter, "rank 0 holds the whole model"):
             return
         weights = {}  # to_hf maps the whole state dict: gathered on the main process, one tensor at a time
         for name in source.shapes:

@@ -14,13 +14,25 @@ deepspeed_runner.py), with the functions here; this module imports no stack:
                              model whose state-dict hooks make tensors (a fused weight saved split, whole), without
                              an adapter and a pipeline, is streamed instead (`module_source`, as `model.safetensors`):
                              each DTensor gathered alone, what hooks make one hooked module at a time, rank 0
-                             appending each tensor to its file (`HFShardWriter`)
+                             appending each tensor to its file (`HFShardWriter`); with a key-wise adapter too (below)
     DeepSpeed (ZeRO 1-3)     tensor by tensor (`zero3_export.zero3_source`, as `model.pth`): every rank gathers one
                              fp32 parameter (`deepspeed.utils.safe_get_full_fp32_param`), or one hooked module's state
                              dict made through its hooks from its parameters gathered whole, rank 0 appends each tensor
                              to the shard file it belongs to: at most one whole parameter (or one hooked module's
-                             state dict) in memory. With an adapter, `to_hf` needs the whole state dict: rank 0 then
-                             holds it
+                             state dict) in memory. With an adapter, the same, through `to_hf` one key at a time
+                             when the adapter maps each key on its own (below)
+
+A state-dict adapter's `to_hf` maps a whole state dict: it may rename, permute, split, but also concatenate keys, so it
+cannot blindly be called key by key. `probe_adapter` finds out, on tensors on the meta device (no memory): `to_hf` of
+the whole state dict gives the reference names, shapes and dtypes, `to_hf` of each key alone that key's. When every
+key alone maps, their outputs are disjoint and together are the reference exactly (names, shapes, dtypes; no output
+the same tensor as another, which the whole path would leave out), the adapter is key-wise (TorchTitan's Llama3
+adapter: renames, and permutes the rows of `q_proj` / `k_proj`) and `stream_adapted` streams: each tensor (or one
+hooked module's state dict) made whole, mapped alone through `to_hf` on the main process and its outputs appended to
+their files, in the reference's order (the same files, tensor for tensor, as the whole path writes). Otherwise (an
+adapter that concatenates keys, or whose `to_hf` fails on meta tensors or on one key alone) the export takes the whole
+path as before, and says so in one line of the log: on DeepSpeed rank 0 then holds the whole model; on the parallel
+stack every rank holds what the hooks make for the whole model.
 
 Each checkpoint of such a run also holds `hf.json` (the config, generation config, which keys are tied, and the
 adapter's class), so `perdure ckpt export CKPT OUT --format hf` writes the same directory without the program.
@@ -31,6 +43,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -275,3 +288,126 @@ def write_with_dcp(state: dict[str, Any], staging: Path, dtype: torch.dtype | No
     dcp.save(state, storage_writer=writer)
     if not is_distributed() or torch.distributed.get_rank() == 0:
         shutil.rmtree(staging / SHARDED_DIR)
+
+
+# What an adapter's `to_hf` may raise on tensors on the meta device or on one key alone (a name it looks up, a tensor
+# it reads the values of, a shape it does not expect): the export then takes the whole path, where a real error shows.
+ADAPTER_PROBE_ERRORS = (LookupError, RuntimeError, NotImplementedError, ValueError, TypeError)
+
+
+@dataclass(frozen=True)
+class KeywisePlan:
+    """A key-wise adapter's export: the model's keys in the order they are streamed (those that map to nothing left
+    out), and each one's outputs in the Hugging Face layout (name, shape, dtype `to_hf` gives), in the order written."""
+
+    order: tuple[str, ...]
+    outputs: dict[str, tuple[TensorSpec, ...]]
+
+
+def _mapped_specs(mapped: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | str:
+    """The name, shape and dtype of each output of `to_hf`, or why it cannot be streamed (not a tensor, or the same
+    memory as an earlier output: `distinct` leaves such a one out of the whole path)."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    seen: set[tuple[Any, ...]] = set()
+    for name, value in mapped.items():
+        if not isinstance(value, torch.Tensor):
+            return f"it returns a {type(value).__name__} for {name!r}"
+        root = value._base if value._base is not None else value
+        memory = (id(root), value.storage_offset(), tuple(value.shape), value.stride())
+        if value.numel() and memory in seen:
+            return f"it returns {name!r} as the same tensor as another key"
+        seen.add(memory)
+        specs[name] = (tuple(value.shape), value.dtype)
+    return specs
+
+
+def probe_adapter(
+    adapter: StateDictAdapter, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+) -> KeywisePlan | str:
+    """Whether `adapter.to_hf` maps each key of a state dict of these dtypes and shapes on its own (module docstring):
+    its `KeywisePlan`, or why not. Only tensors on the meta device: nothing is allocated."""
+    meta = {name: torch.empty(shape, dtype=kind, device="meta") for name, (kind, shape) in shapes.items()}
+    try:
+        reference = _mapped_specs(adapter.to_hf(dict(meta)))
+    except ADAPTER_PROBE_ERRORS as error:
+        return f"its to_hf fails on tensors on the meta device ({type(error).__name__}: {error})"
+    if isinstance(reference, str):
+        return reference
+    position = {name: index for index, name in enumerate(reference)}
+    outputs: dict[str, tuple[TensorSpec, ...]] = {}
+    made: set[str] = set()
+    for name, tensor in meta.items():
+        try:
+            alone = _mapped_specs(adapter.to_hf({name: tensor}))
+        except ADAPTER_PROBE_ERRORS as error:
+            return f"its to_hf fails on {name!r} alone ({type(error).__name__}: {error})"
+        if isinstance(alone, str):
+            return alone
+        for output, spec in alone.items():
+            if output in made:
+                return f"{output!r} comes from more than one key alone"
+            if output not in reference:
+                return f"{name!r} alone maps to {output!r}, which the whole state dict does not hold"
+            if reference[output] != spec:
+                return f"{name!r} alone maps to {output!r} as {spec}, the whole state dict as {reference[output]}"
+            made.add(output)
+        ordered = sorted(alone, key=lambda output: position[output])
+        outputs[name] = tuple((output, *alone[output]) for output in ordered)
+    if made != set(reference):
+        return f"{sorted(set(reference) - made)[:3]} come only from several keys together"
+    order = sorted((name for name in meta if outputs[name]), key=lambda name: position[outputs[name][0][0]])
+    return KeywisePlan(tuple(order), outputs)
+
+
+def stream_adapted(
+    runner: RunnerFields,
+    source: StreamSource,
+    tied: set[str],
+    staging: Path,
+    dtype: torch.dtype | None,
+    adapter: StateDictAdapter,
+    whole: str,
+) -> bool:
+    """With a key-wise `adapter` (`probe_adapter`, on the main process, its answer given to every rank): stream
+    `source` as `stream_weights` does, `tied` keys left out, each tensor mapped alone through `to_hf` on the main
+    process and its outputs appended to their files; True. Otherwise log why the export takes the whole path (what it
+    then holds: `whole`) and return False, having done nothing else. A collective: every rank calls it."""
+    shapes = {name: value for name, value in source.shapes.items() if name not in tied}
+    plan = probe_adapter(adapter, shapes) if runner.is_main_process else None
+    if isinstance(plan, str):
+        runner.logger.warning(
+            "hf export: %s; %s.to_hf maps keys together (%s): an adapter whose to_hf maps each key alone (renames, "
+            "permutes, splits) is streamed one tensor at a time",
+            whole,
+            type(adapter).__name__,
+            plan,
+        )
+    order = broadcast_object(list(plan.order) if isinstance(plan, KeywisePlan) else None)
+    if order is None:
+        return False
+    writer = None
+    if isinstance(plan, KeywisePlan):
+        specs = [
+            (output, shape, dtype if dtype is not None and kind.is_floating_point else kind)
+            for name in plan.order
+            for output, shape, kind in plan.outputs[name]
+        ]
+        writer = HFShardWriter(staging, specs)
+    try:
+        for name in order:
+            tensor = source.whole(name)  # a collective: every rank takes every name
+            if writer is not None and isinstance(plan, KeywisePlan):
+                mapped = adapter.to_hf({name: tensor.detach().cpu()})
+                for output, _, _ in plan.outputs[name]:
+                    value = mapped[output]
+                    target = dtype if dtype is not None and value.is_floating_point() else value.dtype
+                    writer.add(output, value.detach().to("cpu", target))
+                del mapped
+            del tensor
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
+    if writer is not None:
+        writer.finish()
+    return True

@@ -188,7 +188,7 @@ def test_a_fused_qkv_llama_built_partitioned_starts_from_pretrained_and_exports_
     save as `wq` / `wk` / `wv` (made whole) and fuse back. Its hooks run on its parameters gathered whole, one
     attention at a time: the start-up round-trip check (before, on the empty partitions: "size mismatch for
     wqkv.weight ... torch.Size([48, 0])"), --pretrained (a torch.save file in the hooks' layout) and the Hugging Face
-    export through the runner's adapter (`to_hf` of the whole state dict, gathered on rank 0 one tensor at a time).
+    export through the runner's adapter (key-wise: each tensor gathered and mapped alone through `to_hf`).
     One step at lr 0: model.pth is the file bit for bit, hf/ is the adapter's `to_hf` of it."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import llama  # examples/llama.py

@@ -24,6 +24,9 @@ Environment knobs (tests only):
                 parameter itself, renamed by a state-dict post-hook (a load pre-hook names it back), a hook that makes
                 no tensor (as a Hugging Face style renaming)
   HF_CONFIG     the runner gives a plain Hugging Face config (`hf_config()`), so `ckpt.export_format` may hold hf
+  ADAPTER       keywise: the runner's `state_dict_adapter()` is `KeywiseAdapter` (renames every key, permutes the rows
+                of each square weight as TorchTitan's Llama3 adapter permutes q/k, splits the first weight in two);
+                concat: `ConcatAdapter` (the same, and the last layer's weight and bias concatenated into one tensor)
   --depth N     N more Linear(width, width) + ReLU after the first ReLU (resumable.py's key; default 0: none)
 
 Each rank prints how many parameter values it holds once the model is built.
@@ -77,6 +80,10 @@ class ZeroInitRunner(Runner):
 
     def hf_config(self):
         return {"model_type": "perdure-test-mlp"} if os.environ.get("HF_CONFIG") else None
+
+    def state_dict_adapter(self):
+        adapters = {"keywise": KeywiseAdapter, "concat": ConcatAdapter}
+        return adapters[os.environ["ADAPTER"]]() if os.environ.get("ADAPTER") else None
 
     def save_checkpoint(self, reason):
         return self._measured("CHECKPOINT_RSS", lambda: super(ZeroInitRunner, self).save_checkpoint(reason), True)
@@ -133,6 +140,43 @@ def rename_weight(module, state_dict, prefix, local_metadata):
 def name_weight_back(module, state_dict, prefix, *args):
     if f"{prefix}kernel" in state_dict:
         state_dict[f"{prefix}weight"] = state_dict.pop(f"{prefix}kernel")
+
+
+class KeywiseAdapter:
+    """Maps each key on its own: `N.weight` -> `mlp.N.kernel`, a square weight's rows permuted within two heads (each
+    head's adjacent pairs of rows to its two halves, as TorchTitan's Llama3 adapter permutes q and k), the first
+    layer's weight split into `mlp.0.gate` and `mlp.0.up` (its halves)."""
+
+    def to_hf(self, state_dict):
+        out = {}
+        for key, value in state_dict.items():
+            index, kind = key.split(".")
+            if key == "0.weight":
+                out["mlp.0.gate"], out["mlp.0.up"] = value.chunk(2)
+            elif kind == "weight" and value.shape[0] == value.shape[1]:
+                rows, columns = value.shape
+                out[f"mlp.{index}.kernel"] = (
+                    value.reshape(2, rows // 4, 2, columns).transpose(1, 2).reshape(rows, columns)
+                )
+            else:
+                out[f"mlp.{index}.{'kernel' if kind == 'weight' else kind}"] = value
+        return out
+
+    def from_hf(self, hf_state_dict):
+        raise NotImplementedError("export only")
+
+
+class ConcatAdapter(KeywiseAdapter):
+    """`KeywiseAdapter`, and the last layer's weight and bias concatenated into one tensor, `mlp.head` (its bias a
+    last column): two keys map to one, so the export takes the whole path."""
+
+    def to_hf(self, state_dict):
+        out = super().to_hf(state_dict)
+        last = max(int(key.split(".")[0]) for key in state_dict)
+        if f"mlp.{last}.kernel" in out and f"mlp.{last}.bias" in out:  # alone, each is passed on as it is
+            weight, bias = out.pop(f"mlp.{last}.kernel"), out.pop(f"mlp.{last}.bias")
+            out["mlp.head"] = torch.cat([weight, bias[:, None]], dim=1)
+        return out
 
 
 def initial_weights(runner):
