@@ -53,6 +53,7 @@ from perdure.runners.hf_export import (
     distinct,
     export_dtype,
     hooks_make_tensors,
+    stream_adapted,
     stream_weights,
     tied_keys,
     untied,
@@ -534,16 +535,23 @@ class ParallelRunner(TorchRunner):
         """The `hf` export's weights (the override point's contract: checkpointing.py), shard by shard: every rank
         writes its shards of the state dict of DTensors (through the adapter's `to_hf`, tied keys left out) with
         DCP's Hugging Face writer, and rank 0 consolidates them (`write_with_dcp`); no rank gathers the model. A model
-        whose state-dict hooks make tensors, without an adapter and a pipeline, is streamed instead, as
-        `model.safetensors` is (`module_source`: one DTensor gathered at a time, what hooks make one hooked module at
-        a time). A collective: every rank calls it."""
+        whose state-dict hooks make tensors, without a pipeline, is streamed instead, as `model.safetensors` is
+        (`module_source`: one DTensor gathered at a time, what hooks make one hooked module at a time): without an
+        adapter, or with one that maps each key on its own (`hf_export.stream_adapted`: each tensor mapped alone
+        through `to_hf`); with one that maps keys together it is written by DCP, what hooks make whole on every rank.
+        A collective: every rank calls it."""
         adapter = self.state_dict_adapter()
         dtype = export_dtype(self)
         parts = self.model_parts
-        if not ema and adapter is None and self.topology.pipeline == 1 and hooks_make_tensors(parts):
+        if not ema and self.topology.pipeline == 1 and hooks_make_tensors(parts):
             tied = {key for part in parts for key in tied_keys(uncompiled(part))}
-            stream_weights(self, module_source(parts, _whole), tied, staging, dtype)
-            return
+            source = module_source(parts, _whole)
+            if adapter is None:
+                stream_weights(self, source, tied, staging, dtype)
+                return
+            whole = "every rank holds what the state-dict hooks make for the whole model"
+            if stream_adapted(self, source, tied, staging, dtype, adapter, whole):
+                return
         state: dict[str, Any] = {}
         if ema:
             assert self.ema is not None  # `export_hf` makes an EMA job only for a runner with an EMA

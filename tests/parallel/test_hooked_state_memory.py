@@ -15,7 +15,8 @@ glibc's defaults a freed block stays resident and hides a later rise). The weigh
 through the hooks) are the file's, bit for bit. Measured: the load rose 5.9 and 5.7 MB (before: 60.4 and 60.5 MB), the
 check 4.4 and 4.4 MB (before: 59.3 and 59.4 MB), the export 4.2 and 4.1 MB (before: 30.9 and 30.7 MB); with hf/ in
 the same export 4.2 and 4.4 MB (before: 59.0 and 113.1 MB: the whole state dict made on every rank for DCP's Hugging
-Face writer); hf/model.safetensors holds model.pth's tensors."""
+Face writer); hf/model.safetensors holds model.pth's tensors. A second, smaller launch exports hf/ through a
+state-dict adapter."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from tests.runs import assert_all_ok, assert_same_weights, read_rises, run_dir, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import llama  # noqa: E402  (examples/llama.py)
+from llama_hf import LlamaStateDictAdapter  # noqa: E402  (examples/llama_hf.py)
+
+from tests.scripts.meta_llama import ConcatNormsAdapter  # noqa: E402
 
 DIM, HIDDEN, LAYERS, VOCAB, SEQ = 384, 256, 16, 256, 8
 MODEL = ("--model.dim", str(DIM), "--model.heads", "8", "--model.hidden", str(HIDDEN), "--model.layers", str(LAYERS))
@@ -70,3 +74,35 @@ def test_what_hooks_make_is_held_one_module_at_a_time(tmp_path):
     assert {key: value.shape for key, value in exported.items()} == {key: value.shape for key, value in weights.items()}
     assert_same_weights(load_file(directory / "model.safetensors"), exported)
     assert_same_weights(load_file(directory / "hf" / "model.safetensors"), exported)
+
+
+SMALL = ("--model.dim", "256", "--model.heads", "8", "--model.hidden", "128", "--model.layers", "8")
+SMALL += ("--model.vocab", "256", "--model.seq_len", "8", "--data.tokens", "200", "--dist.timeout", "60")
+SMALL_HOOK_MADE = 4 * 8 * 3 * 256 * 256  # every attention's whole wq, wk, wv: 6.3 MB
+
+
+@pytest.mark.timeout(300)
+def test_the_hugging_face_export_through_a_key_wise_adapter_streams_what_hooks_make(tmp_path):
+    """hf/ through examples/llama_hf.py's adapter (renames, permutes q and k: each key mapped alone) streams as
+    without one, one hooked module at a time, each tensor mapped alone (`hf_export.stream_adapted`); an adapter that
+    concatenates two keys (`ConcatNormsAdapter`, a second export of the same launch) takes the whole path (DCP's
+    writer, what the hooks make whole on every rank) and says so. Both equal the adapter's `to_hf` of model.pth.
+    Measured (EXPORT_RSS, EXPORT_AGAIN_RSS): the export with model.pth and hf/ rose 1.9 and 1.8 MB; the whole path
+    13.6 and 24.2 MB, as the export through this adapter did before."""
+    again = tmp_path / "hf-concat"
+    results = run_ranks(2, "meta_llama.py", tmp_path / "runs", *SMALL, "--steps", "1", "--ckpt.export_format", "pth,hf",
+                        HF_CONFIG="1", HF_ADAPTER="1", EXPORT_RSS=tmp_path / "export-{rank}", EXPORT_AGAIN=again,
+                        EXPORT_AGAIN_RSS=tmp_path / "again-{rank}", **MMAP)  # fmt: skip
+    assert_all_ok(results)
+    streamed = read_rises(tmp_path / "export-{rank}", 2)
+    assert max(streamed) < SMALL_HOOK_MADE / 2, f"export rises {streamed}; the hooks make {SMALL_HOOK_MADE}"
+    warned = [line for line in results[0].stdout.splitlines() if "maps keys together" in line]
+    assert len(warned) == 1 and "ConcatNormsAdapter" in warned[0], warned
+    weights = torch.load(run_dir(tmp_path / "runs") / "model.pth", weights_only=True)
+    heads = 8
+    published = load_file(run_dir(tmp_path / "runs") / "hf" / "model.safetensors")  # streamed: one file
+    assert_same_weights(published, LlamaStateDictAdapter(heads).to_hf(weights))
+    concatenated = {}
+    for file in again.glob("*.safetensors"):
+        concatenated.update(load_file(file))
+    assert_same_weights(concatenated, ConcatNormsAdapter(heads).to_hf(weights))

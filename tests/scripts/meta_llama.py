@@ -19,6 +19,9 @@ Environment knobs (tests only):
                    export's start, when the peak is reset, over the resident memory then), "{rank}" replaced
   SETUP_ONLY       build the runner, write the above and stop (no training)
   HF_ADAPTER       the runner maps Hugging Face weights through examples/llama_hf.py's `LlamaStateDictAdapter`
+  EXPORT_AGAIN     after training, the runner exports hf again into this directory through `ConcatNormsAdapter` (the
+                   same, with each block's two norms concatenated into one tensor), measured as EXPORT_RSS is into
+                   EXPORT_AGAIN_RSS
   HF_CONFIG        the runner gives a plain Hugging Face config (`hf_config()`), so `ckpt.export_format` may hold hf
   FUSED_STATE      the state dict holds each attention's fused `wqkv` as the model does: its hooks that split it into
                    whole `wq` / `wk` / `wv` (gathering it) and fuse them back are removed
@@ -37,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import llama  # noqa: E402  (examples/llama.py)
+from llama_hf import LlamaStateDictAdapter  # noqa: E402  (examples/llama_hf.py)
 
 from tests.runs import reset_peak, write_rise  # noqa: E402
 
@@ -101,12 +105,12 @@ class TestRunner(llama.LlamaRunner):
         self.datasets["train"] = llama.TokenWindows(config.data.tokens, m.vocab, m.seq_len, seed=0)
         self.datasets["val"] = llama.TokenWindows(config.data.tokens // 8, m.vocab, m.seq_len, seed=1)
 
+    concat_norms = False  # EXPORT_AGAIN's export: through ConcatNormsAdapter
+
     def state_dict_adapter(self):
         if not os.environ.get("HF_ADAPTER"):
             return None
-        from llama_hf import LlamaStateDictAdapter  # examples/llama_hf.py
-
-        return LlamaStateDictAdapter(self.config.model.heads)
+        return (ConcatNormsAdapter if self.concat_norms else LlamaStateDictAdapter)(self.config.model.heads)
 
     def hf_config(self):
         return {"model_type": "perdure-test-llama"} if os.environ.get("HF_CONFIG") else None
@@ -138,6 +142,20 @@ class TestRunner(llama.LlamaRunner):
         return super().forward_backward(window)
 
 
+class ConcatNormsAdapter(LlamaStateDictAdapter):
+    """`LlamaStateDictAdapter`, and each block's two norms concatenated into one tensor (`model.layers.N.norms`): an
+    adapter that maps two keys into one, so the export cannot map each key alone. Export only."""
+
+    def to_hf(self, state_dict):
+        out = super().to_hf(state_dict)
+        for key in [key for key in out if key.endswith(".input_layernorm.weight")]:
+            block = key.removesuffix(".input_layernorm.weight")
+            if f"{block}.post_attention_layernorm.weight" in out:  # alone, each is passed on renamed
+                norms = out.pop(key), out.pop(f"{block}.post_attention_layernorm.weight")
+                out[f"{block}.norms"] = torch.cat(norms)
+        return out
+
+
 def full_weights(model):
     """The state dict (gathered) and the buffers, non-persistent ones (RoPE) included."""
     tensors = {**model.state_dict(), **dict(model.named_buffers())}
@@ -156,3 +174,8 @@ if __name__ == "__main__":
             torch.save({key: value.cpu() for key, value in weights.items()}, os.environ["INITIAL_WEIGHTS"])
     if not os.environ.get("SETUP_ONLY"):
         runner.train()
+    if os.environ.get("EXPORT_AGAIN"):
+        runner.concat_norms = True
+        start = reset_peak()
+        runner.export_hf(os.environ["EXPORT_AGAIN"])
+        write_rise(os.environ["EXPORT_AGAIN_RSS"], runner.rank, start)
