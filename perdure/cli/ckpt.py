@@ -45,6 +45,7 @@ from perdure.checkpoints.read import (
     checkpoint_format,
     locate_weights,
     read_located,
+    read_weights,
     weight_files,
 )
 from perdure.checkpoints.resolve import committed_checkpoints
@@ -52,7 +53,7 @@ from perdure.checkpoints.retire import leftovers, remove_leftover, retire
 from perdure.cli.ckpt_mirror import is_url, location, mirror_export, mirror_ls, mirror_prune, mirror_verify, on_mirror
 from perdure.errors import CheckpointCorruptError, CheckpointError, PerdureError
 from perdure.resilience.run_lock import RunLock
-from perdure.runners.export import EXPORT_DTYPES, cast_weights, export_weights, read_weights, save_safetensors
+from perdure.runners.export import EXPORT_DTYPES, cast_weights, export_weights, save_safetensors
 from perdure.safe_io import echo, escape_terminal, read_regular, safe_name
 from perdure.wording import human_size
 

@@ -365,7 +365,7 @@ class BaseRunner(
         `self.state`: the runner owns those, which is what makes accumulation, skipping and resuming exact.
         """
         inputs, target = self.unpack_batch(batch)
-        return self._criterion()(self.model(inputs), target)
+        return self.required_criterion()(self.model(inputs), target)
 
     def evaluate_step(self, batch: Any) -> Mapping[str, torch.Tensor | float]:
         """Metrics of one evaluation batch, averaged over the split weighted by batch size.
@@ -374,10 +374,11 @@ class BaseRunner(
         from the global RNGs.
         """
         inputs, target = self.unpack_batch(batch)
-        return {"loss": self._criterion()(self.model(inputs), target)}
+        return {"loss": self.required_criterion()(self.model(inputs), target)}
 
-    def _criterion(self) -> Callable[..., torch.Tensor]:
-        """`self.criterion`, which the default `train_step` and `evaluate_step` call."""
+    def required_criterion(self) -> Callable[..., torch.Tensor]:
+        """`self.criterion`, which the default `train_step` and `evaluate_step` (and a pipeline's schedule) call; a
+        PerdureError saying what to do when none is assigned. Not an override point: assign `self.criterion`."""
         if self.criterion is None:
             raise PerdureError(
                 f"{type(self).__name__} has no self.criterion: the default train_step and evaluate_step compute "

@@ -15,6 +15,7 @@ import yaml
 from perdure.checkpoints.base import Stateful
 from perdure.checkpoints.commit import read_pointer
 from perdure.checkpoints.hf_adapter import StateDictAdapter
+from perdure.checkpoints.read import read_weights
 from perdure.checkpoints.resolve import CheckpointInfo, resolve_path
 from perdure.checkpoints.source import RestoreSource
 from perdure.checkpoints.weights_fit import in_model_layout
@@ -24,7 +25,7 @@ from perdure.loggers.console import get_logger
 from perdure.resilience.hang_watch import watched_phase
 from perdure.runners.checkpoint_binding import CheckpointBinding, load_matching_weights
 from perdure.runners.compile import plain_state_dict
-from perdure.runners.export import StreamSource, export_streamed, export_weights, read_weights, save_safetensors
+from perdure.runners.export import StreamSource, export_streamed, export_weights, save_safetensors
 from perdure.runners.fields import RunnerFields
 from perdure.runners.hf_export import check_hf_export, export_hf, write_whole_weights
 from perdure.runners.rng import RNGState

@@ -309,7 +309,7 @@ class ParallelRunner(TorchRunner):
             device=self.device,
             schedule=self.config.parallel.pipeline.schedule,
             microbatches=self.microbatches(),
-            criterion=self._criterion(),
+            criterion=self.required_criterion(),
         )
 
     def wrap_model(self) -> None:
@@ -462,9 +462,9 @@ class ParallelRunner(TorchRunner):
             world_size = info.manifest.get("world_size")
             before = Topology(shard=world_size) if type(world_size) is int and world_size > 0 else None
         if before is None or before == self.topology:
-            return
+            return None
         per_rank = self.config.loader_options("train")["batch_size"] * self.config.accum_steps
-        self._topology_change = {
+        change = {
             "world_size": [before.world_size, self.world_size],
             "axes": [before.sizes(), self.topology.sizes()],
             "global_batch": [per_rank * before.data_size, per_rank * self.topology.data_size],
