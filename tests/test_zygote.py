@@ -186,9 +186,11 @@ def test_what_the_zygote_cannot_run_faithfully_gets_a_new_interpreter(program, m
 @pytest.mark.timeout(60)
 def test_variables_read_after_the_fork_do_not_cost_the_zygote(program):
     """perdure sets DS_ACCELERATOR and CUBLAS_WORKSPACE_CONFIG in a test's own process, torch.compile sets
-    TORCHINDUCTOR_CACHE_DIR, tests set TORCHFT_*: nothing reads them before the fork, so such launches are forked."""
+    TORCHINDUCTOR_CACHE_DIR, `import deepspeed` PYTORCH_NVML_BASED_CUDA_CHECK, tests set TORCHFT_*: nothing reads them
+    before the fork, so such launches are forked."""
     later = {"DS_ACCELERATOR": "cpu", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCHFT_X": "1"}
     later["TORCHINDUCTOR_CACHE_DIR"] = "/tmp/torchinductor_x"
+    later["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     process = zygote.popen([sys.executable, str(program)], env=environment(**later), stdout=subprocess.DEVNULL)
     assert isinstance(process, zygote.ForkedProcess)
     assert process.wait(timeout=30) == 0

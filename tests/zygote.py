@@ -44,6 +44,12 @@ SET_IN_THE_CHILD = ("PYTHONPATH", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED")  # `
 # DeepSpeed (~2 s to import) picks its accelerator when imported: the zygote imports it with the one perdure sets
 # where CUDA is not visible (the only place the zygote forks); a launch that names another gets a new interpreter.
 IMPORTED_WITH = {"DS_ACCELERATOR": "cpu"}
+# Set in os.environ by an import the zygote makes too: `import deepspeed` does
+# setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1") before its own imports (in the zygote as in a new interpreter), and
+# torch reads it only when a program calls torch.cuda.is_available() (the child then sees the launch's environment;
+# the zygote forks only where CUDA is not visible). Compared, it sent every later launch of a pytest process to a new
+# interpreter once a test had imported DeepSpeed in that process (4-rank launches then cost ~15x their forked CPU).
+SET_BY_IMPORTS = ("PYTORCH_NVML_BASED_CUDA_CHECK",)
 FRESH_ENV = "PERDURE_TEST_FRESH_PROCESSES"
 MAX_REQUEST = 1 << 20
 
@@ -347,7 +353,8 @@ def _forkable(args, env: dict[str, str] | None, kwargs: dict) -> bool:
 
 
 def _import_time_differences(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
-    keys = {key for key in (*env, *zygote_env) if key.startswith(IMPORT_TIME_PREFIXES)} - set(SET_IN_THE_CHILD)
+    keys = {key for key in (*env, *zygote_env) if key.startswith(IMPORT_TIME_PREFIXES)}
+    keys -= {*SET_IN_THE_CHILD, *SET_BY_IMPORTS}
     if any(env.get(key, value) != value for key, value in IMPORTED_WITH.items()):
         return True
     return any(env.get(key) != zygote_env.get(key) for key in keys)
