@@ -66,8 +66,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     cpu, wall = _cpu_seconds(), time.monotonic()
+    launched = dict(zygote.NEW_INTERPRETERS_BY_VARIABLE)
     yield
     record = {"test": item.nodeid, "cpu": round(_cpu_seconds() - cpu, 2), "wall": round(time.monotonic() - wall, 2)}
+    new = {key: n - launched.get(key, 0) for key, n in zygote.NEW_INTERPRETERS_BY_VARIABLE.items()}
+    if any(new.values()):  # launches a variable set otherwise than in the zygote sent to a new interpreter
+        record["new_interpreters"] = {key: n for key, n in new.items() if n}
     path = Path(os.environ[REPORT])
     with path.open("a") as report:
         report.write(json.dumps(record) + "\n")
@@ -88,6 +92,18 @@ def summarize(path: Path, top: int = 40, write=print) -> None:
     write("tests by CPU seconds (wall seconds beside):")
     for record in sorted(records, key=lambda record: -record["cpu"])[:top]:
         write(f"{record['cpu']:8.1f} {record['wall']:8.1f}  {record['test']}")
+    # tests/zygote.py: a launch whose environment sets a variable read at import time otherwise than the zygote's
+    # gets a new interpreter; a variable a test left set in its pytest process does that to every later launch.
+    by_variable: Counter[str] = Counter()
+    first: dict[str, str] = {}
+    for record in records:
+        for key, n in record.get("new_interpreters", {}).items():
+            by_variable[key] += n
+            first.setdefault(key, record["test"])
+    if by_variable:
+        write("launches given a new interpreter, by the variable that differed from the zygote's (first test):")
+        for key, n in by_variable.most_common():
+            write(f"{n:8d}  {key}  ({first[key]})")
 
 
 if __name__ == "__main__":

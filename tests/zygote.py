@@ -352,12 +352,17 @@ def _forkable(args, env: dict[str, str] | None, kwargs: dict) -> bool:
     return not torch.cuda.is_available()
 
 
-def _import_time_differences(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
+# Launches this process gave a new interpreter because of a variable, by variable: tests/cpu_report.py names them with
+# the test that launched them (a variable a test leaves set in its pytest process costs every later launch ~2.5 s).
+NEW_INTERPRETERS_BY_VARIABLE: dict[str, int] = {}
+
+
+def _import_time_differences(env: dict[str, str], zygote_env: dict[str, str]) -> list[str]:
+    """The variables that `env` sets otherwise than the zygote was started or imported with (none: it can fork)."""
     keys = {key for key in (*env, *zygote_env) if key.startswith(IMPORT_TIME_PREFIXES)}
     keys -= {*SET_IN_THE_CHILD, *SET_BY_IMPORTS}
-    if any(env.get(key, value) != value for key, value in IMPORTED_WITH.items()):
-        return True
-    return any(env.get(key) != zygote_env.get(key) for key in keys)
+    differing = {key for key, value in IMPORTED_WITH.items() if env.get(key, value) != value}
+    return sorted(differing | {key for key in keys if env.get(key) != zygote_env.get(key)})
 
 
 def popen(args, *, env: dict[str, str] | None = None, **kwargs) -> ForkedProcess | subprocess.Popen:
@@ -366,7 +371,10 @@ def popen(args, *, env: dict[str, str] | None = None, **kwargs) -> ForkedProcess
     if _forkable(args, env, kwargs):
         path, zygote_env = _zygote()
         env = dict(os.environ if env is None else env)
-        if not _import_time_differences(env, zygote_env):
+        differing = _import_time_differences(env, zygote_env)
+        for key in differing:
+            NEW_INTERPRETERS_BY_VARIABLE[key] = NEW_INTERPRETERS_BY_VARIABLE.get(key, 0) + 1
+        if not differing:
             cwd = kwargs.get("cwd")
             return ForkedProcess(
                 path,
