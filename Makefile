@@ -27,8 +27,9 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check perdure tests examples benchmarks
 	$(VENV)/bin/ruff format --check perdure tests examples benchmarks
-	# What a user's program meets: mypy --strict (config in pyproject.toml), on every example.
-	$(VENV)/bin/mypy --strict examples/*.py
+	# What a user's program meets: mypy --strict (config in pyproject.toml), on every example. Its cache is its own:
+	# tests/test_types.py reuses it (the run below, at other options, would make it recheck torch: ~100 s of CPU).
+	$(VENV)/bin/mypy --strict --cache-dir .mypy_cache/strict examples/*.py
 	# perdure itself, at mypy's default strictness (issue 39).
 	$(VENV)/bin/mypy perdure
 

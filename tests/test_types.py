@@ -24,11 +24,12 @@ def test_mypy_strict_flags_a_type_error_in_an_example_and_passes_the_real_one(tm
     source = real.read_text()
     assert "self.steps = 300" in source
     broken.write_text(source.replace("self.steps = 300", 'self.steps = "300"'))
-    # A cold cache reads torch's stubs (~100 s of CPU). Lint's own cache does not serve: its last run (`mypy perdure`,
-    # default strictness) leaves torch's entries under other options, so --strict checks torch again. This test keeps a
-    # --strict cache of its own (gitignored, next to lint's); mypy rechecks any module whose source, mypy or options
-    # changed, and both files checked here have a new path every run. Locked: two sessions may share it.
-    cache = ROOT / ".mypy_cache" / "tests-strict"
+    # A cold cache reads torch's stubs (~100 s of CPU). `make lint` checks the examples with --strict into a cache of
+    # their own (`.mypy_cache/strict`, gitignored), which this test reuses: the default cache would not serve, since
+    # lint's `mypy perdure` (default strictness) leaves torch's entries under other options. mypy rechecks any module
+    # whose source, mypy or options changed, and both files checked here have a new path every run. Locked: two
+    # sessions may share it.
+    cache = ROOT / ".mypy_cache" / "strict"
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
