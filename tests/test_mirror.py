@@ -99,28 +99,41 @@ def test_keep_latest_k_and_a_flipped_byte_in_the_mirror(tmp_path, tmp_path_facto
 
 def test_store_down_during_training(tmp_path, s3_store):
     root = tmp_path / "run"
+    # Steps are slow (STEP_SLEEP) while `slow` exists: the run cannot end before the store is back, however late the
+    # first upload completes on a loaded machine (200 slow steps: 30 s); once the store is back they run at full speed.
+    slow = tmp_path / "slow"
+    slow.touch()
     # async saves: the writer thread hands each commit to the uploader
-    args = ("--steps", "40", "--ckpt.interval", "2", "--ckpt.async_mode", "thread", "--ckpt.mirror", s3_store.url)
-    process = start("resumable.py", root, *args, STEP_SLEEP="0.15", **s3_store.env)
+    args = ("--steps", "200", "--ckpt.interval", "2", "--ckpt.async_mode", "thread", "--ckpt.mirror", s3_store.url)
+    process = start("resumable.py", root, *args, STEP_SLEEP="0.15", SLOW_WHILE=str(slow), **s3_store.env)
     deadline = time.monotonic() + 120
+
+    def running(what: str) -> None:
+        if process.poll() is None and time.monotonic() < deadline:
+            return
+        process.kill()
+        output, _ = process.communicate(timeout=60)
+        raise AssertionError(f"{what} (exit {process.returncode}):\n{output[-6000:]}")
+
     while not s3_store.complete():
-        assert process.poll() is None and time.monotonic() < deadline, "nothing was uploaded"
+        running("nothing was uploaded")
         time.sleep(0.05)
     s3_store.stop()
     down = time.monotonic()
     before = len(list(root.glob("*/*/checkpoints/ckpt-s*")))
     # Down for longer than the client's own retries (s3fs: ~2 s): the uploader warns and backs off.
     while time.monotonic() < down + 4 or len(list(root.glob("*/*/checkpoints/ckpt-s*"))) < before + 3:
-        assert process.poll() is None and time.monotonic() < deadline, "training stopped while the store was down"
+        running("training stopped while the store was down")
         time.sleep(0.05)
     s3_store.restart()
+    slow.unlink()
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
     assert "retrying in" in output and "training goes on" in output, output
     failures = read_sidecar(run_dir(root) / SIDECAR_NAME)["attempts"][-1]["save_failures"]
     assert failures and all("mirror: upload failed, retrying" in failure["error"] for failure in failures), failures
-    assert s3_store.complete()[-1] == "ckpt-s000000000040"
-    assert s3_store.pointer("latest") == "ckpt-s000000000040"
+    assert s3_store.complete()[-1] == "ckpt-s000000000200"
+    assert s3_store.pointer("latest") == "ckpt-s000000000200"
 
 
 def test_a_hostile_or_damaged_mirror_is_never_used(tmp_path, s3_store, monkeypatch, caplog):
