@@ -163,7 +163,19 @@ class KeywiseAdapter:
         return out
 
     def from_hf(self, hf_state_dict):
-        raise NotImplementedError("export only")
+        out = {}
+        for key, value in hf_state_dict.items():
+            _, index, kind = key.split(".")
+            if kind == "gate":
+                out["0.weight"] = torch.cat([value, hf_state_dict["mlp.0.up"]])
+            elif kind == "up":
+                continue
+            elif kind == "kernel" and value.shape[0] == value.shape[1]:
+                rows, columns = value.shape
+                out[f"{index}.weight"] = value.reshape(2, 2, rows // 4, columns).transpose(1, 2).reshape(rows, columns)
+            else:
+                out[f"{index}.{'weight' if kind == 'kernel' else kind}"] = value
+        return out
 
 
 class ConcatAdapter(KeywiseAdapter):
