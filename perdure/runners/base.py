@@ -57,6 +57,7 @@ from perdure.runners.determinism import configure_determinism
 from perdure.runners.divergence import SkippedSteps
 from perdure.runners.ema import ExponentialMovingAverage
 from perdure.runners.evaluation import EvaluationHooks, EvaluationStopped, Evaluator
+from perdure.runners.host_malloc import hold_malloc_thresholds
 from perdure.runners.metrics import MetricsMixin
 from perdure.runners.optim import build_optimizer, build_scheduler
 from perdure.runners.param_coverage import check_parameter_coverage
@@ -114,6 +115,7 @@ class BaseRunner(
                 "starts a process that imports the script, so put the training under `if __name__ == '__main__':`"
             )
         config.check()
+        hold_malloc_thresholds()  # before the model and the loop allocate: no heap trimmed and regrown every step
         configure_determinism(config.deterministic)  # before anything can initialise CUDA
         self.config = config
         self.logger = get_logger()
