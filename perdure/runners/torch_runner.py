@@ -15,7 +15,7 @@ from perdure.distributed.collectives import max_each_over_ranks
 from perdure.distributed.ddp import FixedLayoutDDP
 from perdure.distributed.process_group import init_process_group, local_device
 from perdure.errors import ConfigError
-from perdure.private_api import non_finite_check_and_unscale_
+from perdure.private_api import dtensor_local, non_finite_check_and_unscale_
 from perdure.runners.accumulation import check_loss_normalization
 from perdure.runners.base import BaseRunner
 from perdure.runners.compile import compile_model, uncompiled
@@ -172,7 +172,7 @@ class TorchRunner(BaseRunner):
             if self._sharded_grads is None:  # the model's layout is fixed once training runs: looked at once
                 self._sharded_grads = any(isinstance(grad, DTensor) for grad in grads)
             if self._sharded_grads:
-                grads = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+                grads = [dtensor_local(grad) if isinstance(grad, DTensor) else grad for grad in grads]
             return self._grads_finite(grads)
         return True
 
