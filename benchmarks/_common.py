@@ -136,3 +136,55 @@ def _cell(value: Any) -> str:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class SteadyProfile:
+    """cProfile of a loop's steady state: `tick()` at the start of every step enables it at the first step after
+    `warmup` steps (compilation, the first allocations and lazy imports left out); `stop()` after the loop."""
+
+    def __init__(self, warmup: int) -> None:
+        import cProfile
+
+        self.profiler = cProfile.Profile()
+        self.warmup, self.steps = warmup, 0
+
+    def tick(self) -> None:
+        self.steps += 1
+        if self.steps == self.warmup + 1:
+            self.profiler.enable()
+
+    def stop(self) -> int:
+        """Disable it; returns the number of steps profiled."""
+        self.profiler.disable()
+        return max(self.steps - self.warmup, 0)
+
+
+def _by_function(profiler: Any) -> dict[str, tuple[int, float, float]]:
+    """(calls, own seconds, cumulative seconds) per `path:function`, paths short (site-packages and the repo cut)."""
+    import pstats
+
+    table: dict[str, tuple[int, float, float]] = {}
+    for (path, _, function), (_, calls, own, cumulative, _) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+        name = f"{path.split('site-packages/')[-1].replace(str(REPO) + '/', '')}:{function}"
+        before = table.get(name, (0, 0.0, 0.0))
+        table[name] = (before[0] + calls, before[1] + own, before[2] + cumulative)
+    return table
+
+
+def profile_difference(hand: Any, hand_steps: int, runner: Any, runner_steps: int, rows: int = 20) -> str:
+    """The functions whose own time per step (cProfile's, so inflated alike on both sides) differs most between the
+    runner's steady state and the hand loop's, with their calls per step on each side: perdure's own calls show with
+    no hand-loop calls, an engine or collective call that got slower shows with the same calls on both."""
+    mine, theirs = _by_function(runner), _by_function(hand)
+    lines = []
+    for name in set(mine) | set(theirs):
+        r_calls, r_own, r_cum = mine.get(name, (0, 0.0, 0.0))
+        h_calls, h_own, _ = theirs.get(name, (0, 0.0, 0.0))
+        own = r_own / runner_steps - h_own / hand_steps
+        lines.append([name, h_calls / hand_steps, r_calls / runner_steps, h_own / hand_steps * 1e3,
+                      r_own / runner_steps * 1e3, own * 1e3, r_cum / runner_steps * 1e3])  # fmt: skip
+    lines.sort(key=lambda line: -abs(line[5]))
+    extra = sum(line[5] for line in lines)
+    table = format_table(["function", "hand calls/step", "runner calls/step", "hand own ms/step", "runner own ms/step",
+                          "extra own ms/step", "runner cumulative ms/step"], lines[:rows])  # fmt: skip
+    return f"{table}\nall functions: the runner's own time exceeds the hand loop's by {extra:.3f} ms per step"

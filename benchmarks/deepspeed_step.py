@@ -32,15 +32,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from _common import (
     RESULTS_DIR,
+    SteadyProfile,
     format_table,
     format_targets,
     load_note,
     median,
+    profile_difference,
     setup_threads,
     spread,
     target,
@@ -96,7 +99,8 @@ def fp32_weights(engine: Any) -> list[Any]:
     return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
 
 
-def hand_loop(stage: int, steps: int, rank: int, world: int, dataset: Any) -> tuple[list[float], list[float], list]:
+def hand_loop(stage: int, steps: int, rank: int, world: int, dataset: Any,
+              on_step: Callable[[], None] = lambda: None) -> tuple[list[float], list[float], list]:  # fmt: skip
     import deepspeed
     import torch
 
@@ -114,6 +118,7 @@ def hand_loop(stage: int, steps: int, rank: int, world: int, dataset: Any) -> tu
         for inputs, labels in loader.iter_epoch(epoch, 0):
             walls.append(time.perf_counter())
             cpus.append(time.process_time())
+            on_step()
             loss = torch.nn.functional.cross_entropy(engine(inputs), labels)
             engine.backward(loss)
             engine.step()
@@ -126,7 +131,8 @@ def hand_loop(stage: int, steps: int, rank: int, world: int, dataset: Any) -> tu
     return walls, cpus, fp32_weights(engine)
 
 
-def runner_loop(stage: int, steps: int, root: Path, dataset: Any, lean: bool) -> tuple[list[float], list[float], list]:
+def runner_loop(stage: int, steps: int, root: Path, dataset: Any, lean: bool,
+                on_step: Callable[[], None] = lambda: None) -> tuple[list[float], list[float], list]:  # fmt: skip
     from perdure import Runner
 
     ticks: tuple[list[float], list[float]] = ([], [])
@@ -141,6 +147,7 @@ def runner_loop(stage: int, steps: int, root: Path, dataset: Any, lean: bool) ->
         def train_step(self, batch: Any) -> Any:
             ticks[0].append(time.perf_counter())
             ticks[1].append(time.process_time())
+            on_step()
             return super().train_step(batch)
 
     runner = MLPRunner(bench_config(stage, steps, root, lean))
@@ -221,33 +228,30 @@ def measure_saves(args: argparse.Namespace, rank: int, world: int, scratch: Path
 
 
 def profile_steps(args: argparse.Namespace, rank: int, world: int, scratch: Path) -> dict[str, str]:
-    """cProfile of rank 0's hand loop and runner loop (one run each, per ZeRO stage): where the runner's extra time
-    goes. The stats are written next to the results, with the top of each by own time as text."""
-    import cProfile
-    import io
-    import pstats
-
+    """cProfile of rank 0's hand loop and runner loop in their steady state (from the first step after the warm-up to
+    the end; one run each, per ZeRO stage), and the table of the functions whose time per step differs most
+    (`profile_difference`). The stats are written next to the results."""
     import torch.distributed as dist
 
     dataset = make_dataset()
     written = {}
     for stage in STAGES:
+        profiles = {}
         for variant in ("hand", "runner"):
             dist.barrier()
-            profiler = cProfile.Profile()
-            profiler.enable()
+            profile = SteadyProfile(WARMUP_STEPS)
             if variant == "hand":
-                hand_loop(stage, args.steps, rank, world, dataset)
+                hand_loop(stage, args.steps, rank, world, dataset, profile.tick)
             else:
-                runner_loop(stage, args.steps, scratch / f"profile-{stage}", dataset, lean=False)
-            profiler.disable()
+                runner_loop(stage, args.steps, scratch / f"profile-{stage}", dataset, False, profile.tick)
+            profiles[variant] = (profile.profiler, profile.stop())
             if rank == 0:
-                path = RESULTS_DIR / f"{NAME}-zero{stage}-{variant}.prof"
-                profiler.dump_stats(path)
-                text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-                path.with_suffix(".txt").write_text(text.getvalue())
-                written[f"zero{stage} {variant}"] = str(path.with_suffix(".txt"))
+                profile.profiler.dump_stats(RESULTS_DIR / f"{NAME}-zero{stage}-{variant}.prof")
+        if rank == 0:
+            (hand, hand_steps), (runner, runner_steps) = profiles["hand"], profiles["runner"]
+            path = RESULTS_DIR / f"{NAME}-zero{stage}-difference.txt"
+            path.write_text(profile_difference(hand, hand_steps, runner, runner_steps) + "\n")
+            written[f"zero{stage}: runner against the hand loop, {runner_steps} steps after the warm-up"] = str(path)
     return written
 
 
@@ -339,7 +343,7 @@ def main() -> int:
         return 0
     if args.profile:
         for name, path in launch(args)["profiles"].items():
-            print(f"== {name} ({path})\n" + "\n".join(Path(path).read_text().splitlines()[:40]))
+            print(f"== {name} ({path})\n{Path(path).read_text()}")
         return 0
     print(f"{NAME}: 2 ranks, {args.rounds} rounds x {args.steps} steps per loop, {args.repeats} saves", flush=True)
     record = launch(args)

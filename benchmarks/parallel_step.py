@@ -20,8 +20,9 @@ follows the disk and the other jobs more than the code).
 
 `--scale` compares the step alone at three widths (64, 128, 256: 0.23M to 3.3M parameters, the same batch, sequence
 and depth) and prints the runner's extra time per step (wall and CPU) at each: it must not grow with the parameter
-count. `--profile` runs cProfile over rank 0's hand loop and runner loop instead (bench-results/parallel_step-
-{hand,runner}.prof, the top functions by own time in .txt beside each).
+count. `--profile` runs cProfile over rank 0's hand loop and runner loop in their steady state instead (after the
+warm-up steps; bench-results/parallel_step-{hand,runner}.prof) and prints the functions whose own time per step
+differs most between the two (bench-results/parallel_step-difference.txt).
 
     python benchmarks/parallel_step.py [--steps 50] [--rounds 3] [--saves 5] [--scale] [--profile]
 """
@@ -34,6 +35,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +44,12 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from _common import (
     RESULTS_DIR,
+    SteadyProfile,
     format_table,
     format_targets,
     load_note,
     median,
+    profile_difference,
     setup_threads,
     spread,
     target,
@@ -99,7 +103,12 @@ def blocks_per_step(stamps: list[tuple[float, float]]) -> tuple[float, float]:
     return median(wall), median(cpu)
 
 
-def hand_loop(steps: int, rank: int) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+Stamps = list[tuple[float, float]]  # (wall, CPU) seconds at the start of each step
+
+
+def hand_loop(
+    steps: int, rank: int, on_step: Callable[[], None] = lambda: None
+) -> tuple[Stamps, dict[str, torch.Tensor]]:
     from gpt import GPT, TokenLoss
 
     from perdure import ResumableLoader
@@ -115,6 +124,7 @@ def hand_loop(steps: int, rank: int) -> tuple[list[tuple[float, float]], dict[st
     optimizer.zero_grad(set_to_none=True)
     for inputs, targets in loader.iter_epoch(0):
         stamps.append((time.perf_counter(), time.process_time()))
+        on_step()
         criterion(model(inputs), targets).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -122,7 +132,9 @@ def hand_loop(steps: int, rank: int) -> tuple[list[tuple[float, float]], dict[st
     return stamps, full_parameters(model)
 
 
-def runner_loop(steps: int, lean: bool, root: str) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+def runner_loop(
+    steps: int, lean: bool, root: str, on_step: Callable[[], None] = lambda: None
+) -> tuple[Stamps, dict[str, torch.Tensor]]:
     from gpt import GPT, TokenLoss
 
     from perdure import Runner, RunnerConfig
@@ -139,6 +151,7 @@ def runner_loop(steps: int, lean: bool, root: str) -> tuple[list[tuple[float, fl
 
         def train_step(self, batch):
             stamps.append((time.perf_counter(), time.process_time()))
+            on_step()
             return super().train_step(batch)
 
     config = RunnerConfig()
@@ -207,31 +220,27 @@ def save_times(saves: int, root: Path, rank: int) -> dict[str, list[float]]:
 
 
 def profile_loops(steps: int, rank: int, scratch: str) -> dict[str, str]:
-    """cProfile of rank 0's hand loop and runner loop (one run each): where the runner's extra time goes. The stats
-    are written next to the results, with the top of each by own time as text."""
-    import cProfile
-    import io
-    import pstats
-
-    written = {}
+    """cProfile of rank 0's hand loop and runner loop in their steady state (from the first step after the warm-up to
+    the end; one run each) and the table of the functions whose time per step differs most (`profile_difference`).
+    The stats are written next to the results."""
+    profiles = {}
     for variant in ("hand", "runner"):
         dist.barrier()
-        profiler = cProfile.Profile()
-        profiler.enable()
+        profile = SteadyProfile(WARMUP)
         if variant == "hand":
-            hand_loop(steps, rank)
+            hand_loop(steps, rank, profile.tick)
         else:
-            runner_loop(steps, False, os.path.join(scratch, "profiled"))
-        profiler.disable()
+            runner_loop(steps, False, os.path.join(scratch, "profiled"), profile.tick)
+        profiles[variant] = (profile.profiler, profile.stop())
         if rank == 0:
             RESULTS_DIR.mkdir(exist_ok=True)
-            path = RESULTS_DIR / f"{NAME}-{variant}.prof"
-            profiler.dump_stats(path)
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-            path.with_suffix(".txt").write_text(text.getvalue())
-            written[variant] = str(path.with_suffix(".txt"))
-    return written
+            profile.profiler.dump_stats(RESULTS_DIR / f"{NAME}-{variant}.prof")
+    if rank != 0:
+        return {}
+    (hand, hand_steps), (runner, runner_steps) = profiles["hand"], profiles["runner"]
+    path = RESULTS_DIR / f"{NAME}-difference.txt"
+    path.write_text(profile_difference(hand, hand_steps, runner, runner_steps) + "\n")
+    return {f"FSDP2: runner against the hand loop, {runner_steps} steps after the warm-up": str(path)}
 
 
 def rank_main(rank: int, port: int, steps: int, rounds: int, saves: int, scratch: str, results: Any, dim: int,
@@ -288,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = setup_threads()
     if args.profile:
         for name, path in launch(args, STEP_MODEL["dim"], "profile")["profiles"].items():
-            print(f"== {name} ({path})\n" + "\n".join(Path(path).read_text().splitlines()[:40]))
+            print(f"== {name} ({path})\n{Path(path).read_text()}")
         return 0
     if args.scale:
         print_scale(args)
