@@ -86,7 +86,7 @@ def attempt_goodput(clock: Mapping[str, Any], *, ended: float, reached_step: int
     seconds["other"] = max(wall - sum(seconds.values()), 0.0)
     ordered = {part: round(seconds[part], 6) for part in ATTEMPT_PARTS}
     return {
-        "fraction": round(seconds["kept_training"] / wall, 6) if wall > 0 else 0.0,
+        "fraction": kept_fraction(ordered),
         "seconds": ordered,
         "lost_steps": lost_steps,
         "step_time": round(per_step, 6),
@@ -116,11 +116,16 @@ def run_goodput(attempts: Sequence[Mapping[str, Any]], parse_time: Any) -> dict[
         previous_end = ended if ended is not None else None
     if not counted:
         return None
-    wall = sum(totals.values())
-    return {
-        "fraction": round(totals["kept_training"] / wall, 6) if wall > 0 else 0.0,
-        "seconds": {part: round(value, 6) for part, value in totals.items()},
-    }
+    seconds = {part: round(value, 6) for part, value in totals.items()}
+    return {"fraction": kept_fraction(seconds), "seconds": seconds}
+
+
+def kept_fraction(seconds: Mapping[str, float]) -> float:
+    """The share of the wall time (the recorded parts added up) that was kept training, rounded as recorded. An
+    attempt's and a run's are computed alike from their recorded parts, so a run of one attempt shows the attempt's
+    fraction exactly (the unrounded wall differs from the rounded parts' sum in the last digit)."""
+    wall = sum(seconds[part] for part in RUN_PARTS if part in seconds)
+    return round(seconds["kept_training"] / wall, 6) if wall > 0 else 0.0
 
 
 def is_goodput(value: Any) -> TypeGuard[Mapping[str, Any]]:
