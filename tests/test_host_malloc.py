@@ -15,7 +15,7 @@ from tests.runs import REPO, environment
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"),
-    reason="glibc's malloc only",
+    reason="the thresholds under test are glibc's malloc's: this machine's C library is not glibc",
 )
 
 # Prints whether an 8 MiB block lies in the heap (below its end, sbrk(0)) and how far freeing it moves the heap's end,

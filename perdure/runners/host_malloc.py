@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Mapping
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 M_MMAP_THRESHOLD = -3
@@ -30,7 +31,7 @@ TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # what glibc sets with it
 USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
-def user_chose_malloc(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+def user_chose_malloc(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the environment sets glibc's malloc thresholds itself (then they are the user's)."""
     return any(environ.get(name) for name in USER_VARIABLES) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
 
