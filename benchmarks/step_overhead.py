@@ -392,12 +392,12 @@ def goodput_and_straggler_calls() -> dict[str, float]:
     micro-batch the straggler watch's `timing` context (its CPU path: two `perf_counter` reads, as on 2 CPU ranks)."""
     from perdure.runners.goodput import GoodputClock
     from perdure.runners.stragglers import StragglerWatch
-    from perdure.workspace.sidecar import Heartbeat
+    from perdure.workspace.heartbeat import Heartbeat
 
     clock, watch = GoodputClock(), StragglerWatch(0, 2)
     clock.loop_started(0)
     with tempfile.TemporaryDirectory(prefix="perdure-bench-") as tmp:
-        heartbeat = Heartbeat(Path(tmp))
+        heartbeat = Heartbeat(Path(tmp), 0)
         try:
             beat = per_call_us(lambda: heartbeat.beat(123456))
         finally:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from perdure.workspace.sidecar import heartbeat_step
+from perdure.workspace.heartbeat import heartbeat_step
 
 EXAMPLE = Path(__file__).resolve().parent / "mlp.py"
 STEPS = 400

@@ -300,10 +300,11 @@ def create_new(path: str | os.PathLike, mode: int = 0o644) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
-def open_writable(path: str | os.PathLike, *, append: bool = False, mode: int = 0o644) -> int:
-    """A write descriptor (appending with `append`) of the regular file `path`, created if missing, never through a
-    symlink and never a FIFO or device (`UnsafeFileError`)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_APPEND if append else 0)
+def open_writable(path: str | os.PathLike, *, append: bool = False, readable: bool = False, mode: int = 0o644) -> int:
+    """A write descriptor (appending with `append`; also for reading with `readable`, as a shared mapping needs) of the
+    regular file `path`, created if missing, never through a symlink and never a FIFO or device (`UnsafeFileError`)."""
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_APPEND if append else 0)
+    flags |= os.O_RDWR if readable else os.O_WRONLY
     try:
         fd = os.open(path, flags, mode)
     except OSError as error:

@@ -13,7 +13,7 @@ import pytest
 from perdure.checkpoints.commit import read_pointer
 from perdure.loggers.metrics_csv import read_metrics_csv
 from perdure.runners import telemetry
-from perdure.workspace.sidecar import heartbeat_mtime
+from perdure.workspace.heartbeat import heartbeat_mtime
 from tests.runs import run, run_dir
 from tests.scripts.resumable import ResumableRunner, make_config
 

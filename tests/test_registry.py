@@ -13,6 +13,7 @@ import pytest
 from perdure import registry as public
 from perdure.cli.main import main
 from perdure.errors import PerdureError
+from perdure.workspace.heartbeat import HEARTBEAT_NAME
 from perdure.workspace.registry import (
     REGISTRY_NAME,
     AmbiguousRunError,
@@ -21,7 +22,7 @@ from perdure.workspace.registry import (
     RunNotFoundError,
 )
 from perdure.workspace.run_dir import ROOT_ENV
-from perdure.workspace.sidecar import HEARTBEAT_NAME, SIDECAR_NAME, Sidecar, utc_stamp
+from perdure.workspace.sidecar import SIDECAR_NAME, Sidecar, utc_stamp
 
 
 def make_run(

@@ -13,17 +13,15 @@ import pytest
 import torch
 
 from perdure.errors import PerdureError
+from perdure.workspace.heartbeat import HEARTBEAT_NAME, heartbeat_mtime, touch_heartbeat
 from perdure.workspace.sidecar import (
-    HEARTBEAT_NAME,
     SIDECAR_FORMAT,
     SIDECAR_NAME,
     Sidecar,
     SidecarError,
     effective_status,
-    heartbeat_mtime,
     parse_stamp,
     read_sidecar,
-    touch_heartbeat,
     utc_stamp,
 )
 

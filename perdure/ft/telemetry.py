@@ -25,8 +25,9 @@ from perdure.resilience.rank_heartbeat import reached_step as ranks_reached_step
 from perdure.runners.state import RunnerState
 from perdure.runners.telemetry import RunTelemetry
 from perdure.safe_io import open_writable
+from perdure.workspace.heartbeat import Heartbeat
 from perdure.workspace.run_dir import RunDir
-from perdure.workspace.sidecar import Heartbeat, Sidecar, SidecarError, read_sidecar, utc_stamp
+from perdure.workspace.sidecar import Sidecar, SidecarError, read_sidecar, utc_stamp
 
 logger = logging.getLogger("perdure")
 
@@ -171,7 +172,7 @@ class ReplicaTelemetry(RunTelemetry):
         if not self.active:
             return
         self._record_attempt(attempt, resumed_from, details or {})
-        self.heartbeat = Heartbeat(self.run_dir.path)
+        self.heartbeat = Heartbeat(self.run_dir.path, self.state.global_step)
         self._write_sidecar()
 
     def set_reporting(self, reporting: bool) -> None:

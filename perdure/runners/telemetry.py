@@ -23,10 +23,11 @@ from perdure.runners.goodput import GoodputClock
 from perdure.runners.state import RunnerState
 from perdure.runners.throughput import format_metric
 from perdure.workspace.goodput import is_goodput
+from perdure.workspace.heartbeat import Heartbeat
 from perdure.workspace.identity import canonical_config
 from perdure.workspace.metadata import write_metadata
 from perdure.workspace.run_dir import RunDir
-from perdure.workspace.sidecar import Heartbeat, Sidecar, utc_stamp
+from perdure.workspace.sidecar import Sidecar, utc_stamp
 
 RESTART_COUNTERS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 INTERRUPTIONS = ("interrupted", "preempted", "failed", "hung")  # how an attempt ends that counts towards the MTBF
@@ -66,7 +67,7 @@ class RunTelemetry:
             return
         self._record_attempt(attempt, resumed_from, details or {})
         self.loggers.open(self.run_dir.path, resumed_step=self.state.global_step, state=self.state, config=self.config)
-        self.heartbeat = Heartbeat(self.run_dir.path)
+        self.heartbeat = Heartbeat(self.run_dir.path, self.state.global_step)
         self._attempt_sidecar().record(step=self.state.global_step, epoch=self.state.epoch)
         self.goodput.resumed_at(self.state.global_step)
         self._record_goodput()
@@ -151,7 +152,7 @@ class RunTelemetry:
         self.goodput.stepped(step)
         if self.progress is not None:
             self.progress.update(step)
-        if self.heartbeat is not None:  # a pwrite of 21 bytes: a SIGKILL then leaves the exact step reached
+        if self.heartbeat is not None:  # a store into a mapped page (or a pwrite): a SIGKILL leaves the exact step
             self.heartbeat.beat(step)
         self.alive()
 
@@ -160,7 +161,7 @@ class RunTelemetry:
         evaluation (or whose log lines are far apart) is not shown as stale."""
         now = time.monotonic()
         if self.heartbeat is not None and now - self._heartbeat_at > HEARTBEAT_SECONDS:
-            self.heartbeat.beat(self.state.global_step)
+            self.heartbeat.touch(self.state.global_step)
             self._heartbeat_at = now
 
     def run_mtbf(self) -> float | None:
@@ -253,7 +254,7 @@ class RunTelemetry:
             self.loggers.close()
         finally:
             if self.heartbeat is not None:
-                self.heartbeat.beat(self.state.global_step)
+                self.heartbeat.touch(self.state.global_step)
                 self.heartbeat.close()
             if self.sidecar is not None:
                 self.sidecar.record(step=self.state.global_step, epoch=self.state.epoch)

@@ -26,6 +26,7 @@ from perdure.config import flatten
 from perdure.errors import PerdureError
 from perdure.safe_io import UnsafeFileError, csv_text, is_regular_or_missing, kind_of, loads_json, move_aside
 from perdure.workspace.goodput import is_goodput
+from perdure.workspace.heartbeat import heartbeat_mtime
 from perdure.workspace.run_dir import workspace_root
 from perdure.workspace.sidecar import (
     SIDECAR_NAME,
@@ -33,7 +34,6 @@ from perdure.workspace.sidecar import (
     STATUSES,
     SidecarError,
     effective_status,
-    heartbeat_mtime,
     read_sidecar,
     utc_stamp,
 )

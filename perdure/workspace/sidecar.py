@@ -25,19 +25,15 @@ from perdure.errors import PerdureError
 from perdure.resilience.rank_heartbeat import last_beat as ranks_last_beat
 from perdure.resilience.rank_heartbeat import reached_step as ranks_reached_step
 from perdure.safe_io import (
-    UnsafeFileError,
     ensure_dir,
     is_symlink,
-    move_aside,
-    open_writable,
     read_json,
-    read_regular,
     safe_name,
 )
 from perdure.workspace.goodput import attempt_goodput, clock_is_valid, is_goodput, run_goodput
+from perdure.workspace.heartbeat import heartbeat_mtime, heartbeat_step, touch_heartbeat
 
 SIDECAR_NAME = "sidecar.json"
-HEARTBEAT_NAME = "heartbeat"
 SIDECAR_FORMAT = "perdure-sidecar/1"
 STATUSES = ("running", "completed", "failed", "preempted", "stopped", "stuck", "hung", "killed")
 STALE = "stale"
@@ -330,69 +326,6 @@ class Sidecar:
             data = text.encode("utf-8")
             atomic_write(self.path, lambda file: file.write(data), durable=durable)
         touch_heartbeat(self.run_dir)
-
-
-def touch_heartbeat(run_dir: Path) -> None:
-    """Set the mtime of `run_dir/heartbeat` to now (creating it): proof the run was alive at this moment."""
-    fd = _open_heartbeat(Path(run_dir) / HEARTBEAT_NAME)
-    try:
-        os.utime(fd)
-    finally:
-        os.close(fd)
-
-
-def _open_heartbeat(path: Path) -> int:
-    """The heartbeat file for writing, created if missing, never through a symlink: a symlink (or anything but a
-    regular file) there is moved aside with a warning first."""
-    try:
-        return open_writable(path)
-    except UnsafeFileError as error:
-        aside = move_aside(path, "unexpected")
-        logger.warning("%s; moved it to %s (its target is untouched) and started a new heartbeat", error, aside.name)
-        return open_writable(path)
-
-
-class Heartbeat:
-    """The live run's heartbeat: `beat(step)` rewrites, in place, how far training got (which also moves the mtime).
-
-    One fixed-width write on a file kept open costs about a microsecond, so it can be called at every log line;
-    `start_attempt` reads the step to count the steps an interruption cost. A write that fails (a full disk: the
-    first beat needs a block) is a warning, once, never an error: the heartbeat only describes the training.
-    """
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / HEARTBEAT_NAME
-        self._fd = _open_heartbeat(self.path)
-        self._failed = False
-
-    def beat(self, step: int) -> None:
-        try:
-            os.pwrite(self._fd, f"{int(step):>20}\n".encode(), 0)
-        except OSError as error:
-            if not self._failed:
-                logger.warning("could not write %s (%s); training goes on", self.path, error)
-            self._failed = True
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def heartbeat_step(run_dir: Path) -> int | None:
-    """The step the heartbeat last recorded, or None (no heartbeat, or one that only marks time)."""
-    try:
-        return int(read_regular(Path(run_dir) / HEARTBEAT_NAME, 64).decode("ascii").strip())
-    except (OSError, ValueError):
-        return None
-
-
-def heartbeat_mtime(run_dir: Path) -> float | None:
-    """The mtime of `run_dir/heartbeat`, or None if there is none."""
-    try:
-        return (Path(run_dir) / HEARTBEAT_NAME).stat().st_mtime
-    except OSError:
-        return None
 
 
 def read_sidecar(path: Path) -> dict[str, Any]:
