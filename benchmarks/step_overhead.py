@@ -16,12 +16,13 @@ difference goes.
 
 Variants:
   hand         the baseline: zero_grad, forward, loss, backward, step -- nothing else
-  runner       TorchRunner with its default config (non-finite gradient check on, a log line every 10 steps)
+  runner       TorchRunner with its default config (non-finite gradient check on, a log line every 50 steps)
   runner-lean  TorchRunner with `skip_nonfinite_grad=false` and one log line at the end: the framework's own cost
 
     python benchmarks/step_overhead.py [--steps 2000] [--rounds 5]
     python benchmarks/step_overhead.py --breakdown   # where the runner's extra time per step goes
     python benchmarks/step_overhead.py --profile     # cProfile of the runner (bench-results/step_overhead.prof)
+    python benchmarks/step_overhead.py --ablate      # each part's cost in the loop: the runner without it, in turn
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ SEED = 0
 LR = 1e-3
 TARGET_RATIO = 1.02
 VARIANTS = ("hand", "runner", "runner-lean")
-BLOCK = 10  # steps per timing block: the runner's default log interval
+BLOCK = RunnerConfig().log.interval  # steps per timing block: the runner's default log interval (50)
 
 
 def make_dataset() -> TensorDataset:
@@ -78,7 +79,7 @@ class StepClock:
     """Wall and CPU clocks read at the start of every step's forward, on both sides alike.
 
     `per_step` is the median over consecutive blocks of `BLOCK` steps of the block's time per step: a block holds
-    exactly one of the runner's periodic log lines (the default `log.interval` is 10), so the estimate includes
+    exactly one of the runner's periodic log lines (`BLOCK` is the default `log.interval`), so the estimate includes
     that cost, while a block in which the machine preempted this process does not move the median. What `train()`
     spends outside the ticks (start and finish) is the per-run fixed cost.
     """
@@ -188,6 +189,61 @@ def quiet() -> Iterator[None]:
         yield
 
 
+# ---- ablations (--ablate): the default runner with one part of its per-step work taken out ----------------------
+# Measurement only: an ablated runner trains the same math (the same final parameters as the hand loop, checked every
+# round) but is not a configuration anyone should run; several reach into the runner's internals to take a part out.
+
+
+def _without_check(config: BenchConfig) -> None:
+    config.skip_nonfinite_grad = False
+
+
+def _without_log_lines(config: BenchConfig) -> None:
+    config.log.interval = config.steps  # one line, at the end
+
+
+def _without_hang_watch(config: BenchConfig) -> None:
+    config.dist.step_timeout = 0  # no watch thread, no phase marks around each batch
+
+
+def _without_telemetry_step(runner: MLPRunner) -> None:
+    runner.telemetry.step = lambda step: None  # type: ignore[method-assign]  # heartbeat, goodput clock, progress
+
+
+def _without_straggler_timing(runner: MLPRunner) -> None:
+    runner.stragglers.timing = contextlib.nullcontext  # type: ignore[method-assign]
+
+
+def _bare_loop(runner: MLPRunner) -> None:
+    """The runner's model, optimizer, loader and `train_step`, stepped by a loop that does nothing else."""
+
+    def train_until(done: Any, budget: str) -> None:
+        loader, optimizer = runner.dataloaders["train"], runner.optimizer
+        optimizer.zero_grad(set_to_none=True)
+        while runner.state.global_step < runner.config.steps:
+            for batch in loader.iter_epoch(runner.state.epoch):
+                runner.train_step(batch).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                runner.state.global_step += 1
+                if runner.state.global_step == runner.config.steps:
+                    break
+            runner.state.epoch += 1
+
+    runner._train_until = train_until  # type: ignore[method-assign]
+
+
+# name: (a config change before the runner is built, a patch of the built runner)
+ABLATIONS: dict[str, tuple[Any, Any]] = {
+    "no-check": (_without_check, None),
+    "no-log-lines": (_without_log_lines, None),
+    "no-hang-watch": (_without_hang_watch, None),
+    "no-telemetry-step": (None, _without_telemetry_step),
+    "no-straggler-timing": (None, _without_straggler_timing),
+    "bare-loop": (None, _bare_loop),
+}
+
+
 def build_runner(dataset: TensorDataset, steps: int, root: Path, variant: str) -> MLPRunner:
     root.mkdir(parents=True)
     os.environ["PERDURE_ROOT"] = str(root)  # the environment wins over workspace.root: set both
@@ -197,8 +253,14 @@ def build_runner(dataset: TensorDataset, steps: int, root: Path, variant: str) -
     if variant == "runner-lean":
         config.skip_nonfinite_grad = False
         config.log.interval = steps
+    change, patch = ABLATIONS.get(variant.removeprefix("runner-"), (None, None))
+    if change is not None:
+        change(config)
     with quiet():
-        return MLPRunner(config, dataset=dataset)
+        runner = MLPRunner(config, dataset=dataset)
+    if patch is not None:
+        patch(runner)
+    return runner
 
 
 def detach_log_files(root: Path) -> None:
@@ -238,15 +300,15 @@ def same_params(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def measure(steps: int, rounds: int, warmup_steps: int) -> dict[str, Any]:
+def measure(steps: int, rounds: int, warmup_steps: int, variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     dataset = make_dataset()
-    per_round: dict[str, list[dict[str, Any]]] = {variant: [] for variant in VARIANTS}
+    per_round: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
     with tempfile.TemporaryDirectory(prefix="perdure-bench-") as tmp:
         workdir = Path(tmp)
-        for variant in VARIANTS:  # warm up allocator, caches and lazy imports on both sides
+        for variant in variants:  # warm up allocator, caches and lazy imports on both sides
             run_variant(variant, dataset, warmup_steps, workdir, "warmup")
         for index in range(rounds):
-            order = VARIANTS if index % 2 == 0 else VARIANTS[::-1]
+            order = variants if index % 2 == 0 else variants[::-1]
             timings = {variant: run_variant(variant, dataset, steps, workdir, str(index)) for variant in order}
             hand = timings["hand"]
             for variant, timing in timings.items():
@@ -255,13 +317,14 @@ def measure(steps: int, rounds: int, warmup_steps: int) -> dict[str, Any]:
                         "us_per_step": timing.step_wall * 1e6,
                         "cpu_us_per_step": timing.step_cpu * 1e6,
                         "ratio": timing.step_wall / hand.step_wall,
+                        "extra_us_per_step": (timing.step_wall - hand.step_wall) * 1e6,
                         "cpu_ratio": timing.step_cpu / hand.step_cpu,
                         "total_ratio": timing.total_wall / hand.total_wall,
                         "fixed_ms": timing.fixed_wall * 1e3,
                         "same_params_as_hand": same_params(timing.params, hand.params),
                     }
                 )
-            line = "  ".join(f"{v} {timings[v].step_wall * 1e6:.0f}us" for v in VARIANTS)
+            line = "  ".join(f"{v} {timings[v].step_wall * 1e6:.0f}us" for v in variants)
             print(f"round {index + 1}/{rounds} (per step): {line}", flush=True)
     summary: dict[str, Any] = {}
     for variant, records in per_round.items():
@@ -489,6 +552,22 @@ def profile_runner(steps: int) -> Path:
     return path
 
 
+def ablation_table(steps: int, rounds: int, warmup_steps: int) -> list[list[Any]]:
+    """The default runner against itself with each part of `ABLATIONS` taken out, interleaved with the hand loop: a
+    part's cost is the runner's extra time per step minus the ablated runner's, measured in the loop (a part's cost
+    there is several times its cost called alone, once the step's kernels have evicted the caches)."""
+    ablated = tuple(f"runner-{name}" for name in ABLATIONS)
+    summary = measure(steps, rounds, warmup_steps, ("hand", "runner", *ablated))
+    extra = summary["runner"]["extra_us_per_step"]  # medians over rounds of the difference within a round
+    rows = [["runner (defaults)", summary["runner"]["us_per_step"], extra, "", summary["runner"]["ratio"], "yes"]]
+    for variant in ablated:
+        record = summary[variant]
+        ablated_extra = record["extra_us_per_step"]
+        rows.append([variant, record["us_per_step"], ablated_extra, extra - ablated_extra, record["ratio"],
+                     "yes" if record["same_params_as_hand"] else "NO"])  # fmt: skip
+    return rows
+
+
 SCALE_WIDTHS = (256, 512, 1024)  # 0.13M, 0.40M, 1.33M parameters: the same batch, features and depth
 
 
@@ -516,8 +595,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="cProfile the runner instead of comparing")
     parser.add_argument("--breakdown", action="store_true", help="only time the runner's extra calls in its loop")
     parser.add_argument("--scale", action="store_true", help="the runner's extra time per step at 3 model widths")
+    parser.add_argument("--ablate", action="store_true", help="each part's cost, taken out of the runner in turn")
     args = parser.parse_args(argv)
     threads = setup_threads()
+    if args.ablate:
+        rows = ablation_table(args.steps, args.rounds, args.warmup_steps)
+        print(format_table(["variant", "us/step", "extra us/step over hand", "the part's cost us/step", "ratio",
+                            "same params"], rows))  # fmt: skip
+        return 0
     if args.scale:
         rows = scale_sweep(args.steps, args.rounds, args.warmup_steps)
         print(format_table(["parameters", "hand us/step", "runner extra us/step", "runner extra cpu us/step",
