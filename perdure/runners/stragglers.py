@@ -22,10 +22,13 @@ NCCL, wait for the GPU). So the check runs on host tensors in a gloo group of it
 collectives) and, when the slowest rank's wall time per step at the last log line was under `PIPELINED_BELOW_S`, it
 is started after one step and read at the next check: every rank still stops at the same step, shortly after the
 signal instead of at once. Steps much shorter than `CHECK_PERIOD_S` are checked every so many steps (as many as take
-that long), so that tiny steps do not pay a collective each. Longer steps (and the steps before
-the first log line) agree at once, so that a stop never waits a long step for it. A step whose ranks agree on
-something else anyway (whether their gradient shards are finite) carries the signal in that collective, and its stop
-check starts none (`agreed_at_this_step`).
+that long), so that tiny steps do not pay a collective each. Longer steps agree at once, so that a stop never waits a
+long step for it. Until a log line has measured the steps, a check that agrees at once also carries each rank's time
+since its previous check (the step just trained), and the slowest rank's decides how the next checks run, as each log
+line decides again (until then: afterwards each line's mode holds until the next): so only the first steps (the first,
+which compiles and warms up, and the one that measures) agree at once when log lines are far apart. A step whose ranks
+agree on something else anyway (whether their gradient shards are finite) carries the signal in that collective, and its
+stop check starts none (`agreed_at_this_step`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class StragglerWatch:
         self._group: dist.ProcessGroup | None = None  # host tensors' group (made at the first check)
         self._group_made = False
         self._line_at: float | None = None  # perf_counter at the last log line (wall time per step)
+        self._check_at: float | None = None  # perf_counter at the last training step's check (the step's wall time)
+        self._line_measured = False  # a log line measured the steps: its mode holds until the next line
 
     def start(self, step: int, device: torch.device | None = None) -> None:
         """The training loop starts at `step`, the model on `device` (a CUDA device: forwards timed with events)."""
@@ -122,9 +127,8 @@ class StragglerWatch:
         slots[0], slots[1], slots[2 + self.rank] = float(signal), wall, own if steps > 0 else NO_TIME
         reduced = max_each_of_floats(slots)
         self.agreed_at_this_step(int(reduced[0]))
-        wall = reduced[1]  # the slowest rank's wall time per step, the same on every rank
-        self._pipelined = 0 <= wall < PIPELINED_BELOW_S
-        self.check_every = max(1, int(CHECK_PERIOD_S / wall)) if self._pipelined and wall > 0 else 1
+        self._set_mode(reduced[1])  # the slowest rank's wall time per step, the same on every rank
+        self._line_measured = reduced[1] >= 0
         times = reduced[2:]
         if any(seconds < 0 for seconds in times):  # a rank without a step since the last line
             return {}
@@ -140,6 +144,9 @@ class StragglerWatch:
         few and may be long, and were not what the period was measured on): agree now, whatever the steps took."""
         if not self._group_made:
             self._group, self._group_made = host_group(), True
+        now = time.perf_counter()
+        wall = now - self._check_at if self._check_at is not None and not at_once else NO_TIME
+        self._check_at = None if at_once else now  # an evaluation's checks measure no training step
         if self._agreed is not None:  # a collective of this step agreed already: none of its own
             agreed, self._agreed = self._agreed, None
             if self._pending is not None:
@@ -156,7 +163,18 @@ class StragglerWatch:
         if pipelined:  # what this rank holds now is read at the next check that starts one
             self._pending = PendingMax([received], self._group)
             return agreed
-        return max(agreed, PendingMax([received], self._group).result()[0])
+        # at once, with this rank's last step in microseconds (-1: none measured): the slowest sets the next checks'
+        signal, slowest_us = PendingMax([received, round(wall * 1e6) if wall >= 0 else -1], self._group).result()
+        if slowest_us >= 0 and not self._line_measured:
+            self._set_mode(slowest_us / 1e6)
+        return max(agreed, signal)
+
+    def _set_mode(self, wall: float) -> None:
+        """The slowest rank's wall time per step is `wall` (the same on every rank; negative: unknown): pipeline the
+        next checks when it is short, starting a collective at one check in so many when it is tiny."""
+        self._pipelined = 0 <= wall < PIPELINED_BELOW_S
+        self.check_every = max(1, int(CHECK_PERIOD_S / wall)) if self._pipelined and wall > 0 else 1
+        self._checks = 0  # the k-th check from here starts the next collective
 
     def agreed_at_this_step(self, signal: int) -> None:
         """A collective of this step carried every rank's preemption signal (`signal`: the largest), as the log line's

@@ -69,11 +69,25 @@ def test_short_steps_agree_one_check_late_and_every_rank_reads_the_same():
     assert ranks[0][5:8] == [SIGTERM] * 3  # steps 6-8 (the log line's exchange at 8 starts no check of its own)
 
 
-def test_before_the_first_log_line_and_with_long_steps_the_check_agrees_at_once():
-    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 8, 3, False)  # step 3 comes before the first log line
-    assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 3
+def test_before_a_step_is_measured_and_with_long_steps_the_check_agrees_at_once():
+    """The first check has no step time (the first step compiles and warms up), the second measures one: both agree at
+    once; with long steps every check does."""
+    for signal_at in (1, 2):
+        ranks = run_on_gloo_ranks(2, agreed_at_each_check, 8, signal_at, False)
+        assert ranks[0] == ranks[1] and first_stop(ranks[0]) == signal_at
     ranks = run_on_gloo_ranks(2, agreed_at_each_check, 2, 5, True)
     assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 5
+    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 8, 5, True)  # long steps measured before the first log line
+    assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 5
+
+
+def test_short_steps_measured_by_the_checks_are_pipelined_before_the_first_log_line():
+    """Log lines far apart (every 8 steps): the check of step 2 carries each rank's step time, short, so the checks
+    after it are pipelined without waiting for a log line: the signal of step 3 is read at step 4 on both ranks (until
+    2026-11-29 every check before the first log line agreed at once, a blocking all-reduce per step)."""
+    ranks = run_on_gloo_ranks(2, agreed_at_each_check, 8, 3, False)
+    assert ranks[0] == ranks[1] and first_stop(ranks[0]) == 4
+    assert ranks[0][3:8] == [SIGTERM] * 5
 
 
 def test_a_step_whose_ranks_agree_on_their_gradients_stops_at_once_with_short_steps():
