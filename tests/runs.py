@@ -150,11 +150,14 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 
 
 def assert_all_ok(results: list[subprocess.CompletedProcess]) -> None:
-    """Every rank of a multi-rank launch exited 0."""
-    for rank, result in enumerate(results):
-        assert result.returncode == 0, (
-            f"rank {rank} exited {result.returncode}:\n{result.stdout}\n{result.stderr[-4000:]}"
-        )
+    """Every rank of a multi-rank launch exited 0; else every failed rank's output (the first failure is often a peer
+    of the rank that caused it: "Connection closed by peer")."""
+    failed = [
+        f"rank {rank} exited {result.returncode}:\n{result.stdout}\n{result.stderr[-4000:]}"
+        for rank, result in enumerate(results)
+        if result.returncode != 0
+    ]
+    assert not failed, "\n".join(failed)
 
 
 _PORTS_PER_WORKER = 2000
