@@ -451,8 +451,9 @@ def timed(watch: Any) -> None:
 
 def goodput_and_straggler_calls() -> dict[str, float]:
     """us per step of what the loop calls for the goodput clock, the heartbeat's step and the straggler watch (issue
-    36), each timed in a tight loop: per step one `GoodputClock.stepped`, one `Heartbeat.beat` (a pwrite), and per
-    micro-batch the straggler watch's `timing` context (its CPU path: two `perf_counter` reads, as on 2 CPU ranks)."""
+    36), each timed in a tight loop: per step one `GoodputClock.stepped`, one `Heartbeat.beat` (a store into the mapped
+    page where the filesystem allows it, else a pwrite), and per micro-batch the straggler watch's `timing` context
+    (its CPU path: two `perf_counter` reads, as on 2 CPU ranks)."""
     from perdure.runners.goodput import GoodputClock
     from perdure.runners.stragglers import StragglerWatch
     from perdure.workspace.heartbeat import Heartbeat
