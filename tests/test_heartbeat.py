@@ -18,6 +18,7 @@ from perdure.workspace.heartbeat import HEARTBEAT_NAME, Heartbeat, filesystem_ty
 from tests.disks import mount_ext4_or_skip, mount_or_skip, unmount
 
 pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parent.parent
 
 # A process that beats steps 1..STEPS, makes its page clean (written back, write-protected) when asked, fills the disk
 # when asked, beats once more and is then SIGKILLed by itself: what it leaves in the file is what the next attempt
@@ -27,6 +28,7 @@ CHILD = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     from perdure.workspace.heartbeat import Heartbeat
+    from tests.disks import fill
     run_dir, steps, then_fill = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     heartbeat = Heartbeat(run_dir, 0)
     print("mapped" if heartbeat.mapped else "written", flush=True)
@@ -34,16 +36,19 @@ CHILD = textwrap.dedent(
         heartbeat.beat(step)
     if then_fill:
         os.fsync(heartbeat._fd)  # the page is written back: the next store faults and asks the filesystem again
-        with open(then_fill, "wb", buffering=0) as other:
-            try:
-                while True:
-                    other.write(bytes(4096))
-            except OSError:
-                pass
+        fill(Path(then_fill))
         heartbeat.beat(steps + 1)
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
+
+
+def filesystem_of(path: Path) -> str | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return filesystem_type(fd)
+    finally:
+        os.close(fd)
 
 
 def killed_child(run_dir: Path, steps: int, then_fill: Path | None = None) -> tuple[str, int]:
@@ -54,12 +59,13 @@ def killed_child(run_dir: Path, steps: int, then_fill: Path | None = None) -> tu
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=REPO,  # the child imports tests.disks
     )
     return result.stdout.strip(), result.returncode
 
 
 def test_a_killed_process_leaves_its_exact_step_from_a_mapped_page(tmp_path):
-    kind = filesystem_type(os.open(tmp_path, os.O_RDONLY))
+    kind = filesystem_of(tmp_path)
     if kind not in heartbeat_module.IN_PLACE_FILESYSTEMS:
         pytest.skip(f"the test directory is on {kind}, which the heartbeat does not map")
     how, status = killed_child(tmp_path / "run", 12345)
@@ -117,7 +123,7 @@ def test_a_disk_that_fills_up_leaves_the_mapped_beat_working(tmp_path, disk):
     else:
         mount_or_skip(mount, "size=1m")
     try:
-        assert filesystem_type(os.open(mount, os.O_RDONLY)) == disk
+        assert filesystem_of(mount) == disk
         how, status = killed_child(mount / "run", 100, then_fill=mount / "other-job")
         assert how == "mapped"
         assert status == -signal.SIGKILL, f"the child ended with {status}, not by its own SIGKILL (a SIGBUS is -7)"
@@ -129,14 +135,6 @@ def test_a_disk_that_fills_up_leaves_the_mapped_beat_working(tmp_path, disk):
 
 
 def test_filesystem_type_names_this_machine_s_filesystems(tmp_path):
-    fd = os.open(tmp_path, os.O_RDONLY)
-    try:
-        assert filesystem_type(fd)  # whatever it is, the mount table lists it
-    finally:
-        os.close(fd)
+    assert filesystem_of(tmp_path)  # whatever it is, the mount table lists it
     if Path("/dev/shm").is_dir():
-        fd = os.open("/dev/shm", os.O_RDONLY)
-        try:
-            assert filesystem_type(fd) == "tmpfs"
-        finally:
-            os.close(fd)
+        assert filesystem_of(Path("/dev/shm")) == "tmpfs"
