@@ -5,7 +5,7 @@ read through the same data path: torchdata's `StatefulDataLoader` with perdure's
 `RandomSampler` draws an extra `randperm` per epoch, so it would not be the same math). The runner side has
 checkpoints disabled (`ckpt.enabled=false`) and no validation split, so only the per-step cost of the training loop
 is compared. Both loops read a wall and a CPU clock at the start of every step's forward: the ratio is the
-steady-state time per step (data loading included; the median over blocks of 10 steps, each holding one of the
+steady-state time per step (data loading included; the median over blocks of 50 steps, each holding one of the
 runner's log lines), and what `train()` spends before the first and after the last step is reported apart as the
 runner's start + finish cost. Rounds are interleaved (the order alternates) and the
 median of the per-round ratios is reported, in wall-clock time (the target's) and in process CPU time (immune to
@@ -18,6 +18,8 @@ Variants:
   hand         the baseline: zero_grad, forward, loss, backward, step -- nothing else
   runner       TorchRunner with its default config (non-finite gradient check on, a log line every 50 steps)
   runner-lean  TorchRunner with `skip_nonfinite_grad=false` and one log line at the end: the framework's own cost
+  (--ablate also: the runner with one part taken out, in turn; and hand-checked, the hand loop with the runner's
+  non-finite check written into it)
 
     python benchmarks/step_overhead.py [--steps 2000] [--rounds 5]
     python benchmarks/step_overhead.py --breakdown   # where the runner's extra time per step goes
@@ -128,8 +130,9 @@ class Timing:
 # ---- the baseline --------------------------------------------------------------------------------------------
 
 
-def hand_loop(dataset: TensorDataset, steps: int) -> Timing:
-    """What a user writes by hand over the same loader and sampler."""
+def hand_loop(dataset: TensorDataset, steps: int, checked: bool = False) -> Timing:
+    """What a user writes by hand over the same loader and sampler; `checked` adds, by hand, what the runner's default
+    non-finite check does (GradScaler's fused kernel at scale 1, one `.item()`, the step skipped on an inf or NaN)."""
     torch.manual_seed(SEED)
     model = make_model()
     criterion = nn.CrossEntropyLoss()
@@ -137,6 +140,7 @@ def hand_loop(dataset: TensorDataset, steps: int) -> Timing:
     sampler = ResumableSampler(len(dataset), shuffle=True, seed=SEED)
     loader = StatefulDataLoader(dataset, batch_size=BATCH, sampler=sampler, generator=torch.Generator())
     clock = StepClock()
+    parameters, found, unit = list(model.parameters()), torch.zeros(1), torch.ones(1)
     model.train()
     gc.collect()
     wall, cpu = time.perf_counter(), time.process_time()
@@ -148,7 +152,10 @@ def hand_loop(dataset: TensorDataset, steps: int) -> Timing:
             optimizer.zero_grad(set_to_none=True)
             loss = criterion(model(inputs), labels)
             loss.backward()
-            optimizer.step()
+            if checked:
+                torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in parameters], found, unit)
+            if not checked or not found.item():
+                optimizer.step()
             step += 1
             if step == steps:
                 break
@@ -234,8 +241,10 @@ def _bare_loop(runner: MLPRunner) -> None:
     runner._train_until = train_until  # type: ignore[method-assign]
 
 
-# name: (a config change before the runner is built, a patch of the built runner)
+# name: (a config change before the runner is built, a patch of the built runner); `control` takes nothing out: its
+# "cost" is the table's noise, what two identical runners differ by in the same rounds
 ABLATIONS: dict[str, tuple[Any, Any]] = {
+    "control": (None, None),
     "no-check": (_without_check, None),
     "no-log-lines": (_without_log_lines, None),
     "no-hang-watch": (_without_hang_watch, None),
@@ -292,8 +301,8 @@ def runner_loop(dataset: TensorDataset, steps: int, root: Path, variant: str) ->
 
 
 def run_variant(variant: str, dataset: TensorDataset, steps: int, workdir: Path, tag: str) -> Timing:
-    if variant == "hand":
-        return hand_loop(dataset, steps)
+    if variant in ("hand", "hand-checked"):
+        return hand_loop(dataset, steps, checked=variant == "hand-checked")
     return runner_loop(dataset, steps, workdir / f"{variant}-{tag}", variant)
 
 
@@ -460,9 +469,10 @@ def profile_runner(steps: int) -> Path:
 def ablation_table(steps: int, rounds: int, warmup_steps: int) -> list[list[Any]]:
     """The default runner against itself with each part of `ABLATIONS` taken out, interleaved with the hand loop: a
     part's cost is the runner's extra time per step minus the ablated runner's, measured in the loop (a part's cost
-    there is several times its cost called alone, once the step's kernels have evicted the caches)."""
+    there is several times its cost called alone, once the step's kernels have evicted the caches). And the hand loop
+    with the same non-finite check added by hand: what the check's work costs a loop that does nothing else."""
     ablated = tuple(f"runner-{name}" for name in ABLATIONS)
-    summary = measure(steps, rounds, warmup_steps, ("hand", "runner", *ablated))
+    summary = measure(steps, rounds, warmup_steps, ("hand", "runner", *ablated, "hand-checked"))
     extra = summary["runner"]["extra_us_per_step"]  # medians over rounds of the difference within a round
     rows = [["runner (defaults)", summary["runner"]["us_per_step"], extra, "", summary["runner"]["ratio"], "yes"]]
     for variant in ablated:
@@ -470,6 +480,9 @@ def ablation_table(steps: int, rounds: int, warmup_steps: int) -> list[list[Any]
         ablated_extra = record["extra_us_per_step"]
         rows.append([variant, record["us_per_step"], ablated_extra, extra - ablated_extra, record["ratio"],
                      "yes" if record["same_params_as_hand"] else "NO"])  # fmt: skip
+    record = summary["hand-checked"]  # its part's cost is its extra: the hand loop around it does nothing else
+    rows.append(["hand-checked", record["us_per_step"], record["extra_us_per_step"], record["extra_us_per_step"],
+                 record["ratio"], "yes" if record["same_params_as_hand"] else "NO"])  # fmt: skip
     return rows
 
 
@@ -527,30 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for variant, s in summary.items():
         same = "baseline" if variant == "hand" else ("yes" if s["same_params_as_hand"] else "NO")
-        rows.append(
-            [
-                variant,
-                s["us_per_step"],
-                s["ratio"],
-                spread(s["ratio_range"]),
-                s["cpu_us_per_step"],
-                s["cpu_ratio"],
-                s["fixed_ms"],
-                s["total_ratio"],
-                same,
-            ]
-        )
-    headers = [
-        "variant",
-        "us/step",
-        "ratio",
-        "ratio range",
-        "cpu us/step",
-        "cpu ratio",
-        "start+finish ms",
-        f"ratio over {args.steps} steps",
-        "same params",
-    ]
+        rows.append([variant, s["us_per_step"], s["ratio"], spread(s["ratio_range"]), s["cpu_us_per_step"],
+                     s["cpu_ratio"], s["fixed_ms"], s["total_ratio"], same])  # fmt: skip
+    headers = ["variant", "us/step", "ratio", "ratio range", "cpu us/step", "cpu ratio", "start+finish ms",
+               f"ratio over {args.steps} steps", "same params"]  # fmt: skip
     print(format_table(headers, rows))
     runner = summary["runner"]
     targets = [target("runner time / hand loop time per step", runner["ratio"], "<=", TARGET_RATIO)]
