@@ -51,6 +51,43 @@ def test_nonfinite_step_is_applied_when_skipping_is_off(tmp_path):
     assert not all(torch.isfinite(p).all() for p in runner.model.parameters())
 
 
+def test_a_log_lines_norm_answers_the_check_and_a_nan_there_is_still_skipped(tmp_path, monkeypatch):
+    import perdure.runners.torch_runner as torch_runner
+
+    checks = []
+    kernel = torch_runner.non_finite_check_and_unscale_
+    monkeypatch.setattr(torch_runner, "non_finite_check_and_unscale_", lambda *args: checks.append(1) or kernel(*args))
+    runner = ResumableRunner(make_config(tmp_path / "finite", **{"log.interval": 2}))
+    runner.train()
+    assert len(checks) == 3  # steps 1, 3, 5: the norm of steps 2, 4, 6 (a log line each) was finite
+    checks.clear()
+    runner = NaNAtStep(make_config(tmp_path / "nan", **{"log.interval": 1}))  # every step's norm is taken
+    runner.train()
+    assert runner.state.skipped_steps == 1 and runner.global_step == 6
+    assert len(checks) == 1  # the NaN norm's step only
+    assert all(torch.isfinite(p).all() for p in runner.model.parameters())
+
+
+class HugeAtStep(NaNAtStep):
+    """The second window's loss times 1e30: finite gradients whose 2-norm overflows float32."""
+
+    def train_step(self, batch):
+        self.calls += 1
+        loss = ResumableRunner.train_step(self, batch)
+        return loss * 1e30 if self.calls == 2 else loss
+
+
+def test_finite_gradients_whose_norm_overflows_are_stepped(tmp_path):
+    runner = HugeAtStep(make_config(tmp_path, **{"log.interval": 1}))
+    steps = []
+    log = runner.log_metrics
+    runner.log_metrics = lambda split, metrics, step=None: (steps.append(dict(metrics)), log(split, metrics, step))
+    runner.train()
+    assert math.isinf(steps[1]["grad_norm"])  # the norm of step 2 overflowed ...
+    assert runner.state.skipped_steps == 0 and runner.global_step == 6  # ... its finite gradients were stepped
+    assert runner.calls == 6
+
+
 class NaNFromStep(NaNAtStep):
     """Every step from the second on is skipped: a run whose parameters diverged."""
 

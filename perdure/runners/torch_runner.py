@@ -161,12 +161,18 @@ class TorchRunner(BaseRunner):
         """Called by `optimizer_step` after unscaling: take the gradient norm when it is due (`grad_norm_due`: kept
         in `self.grad_norm` for the log line) and clip to `max_grad_norm` when set; return whether every gradient is
         finite (checked only when clipping or `skip_nonfinite_grad` asks for it). The caller agrees the answer over
-        all ranks. Must not step or zero anything."""
+        all ranks. Must not step or zero anything.
+
+        A norm taken anyway answers the check when it is finite (an inf or a NaN in any gradient makes the 2-norm inf
+        or NaN), so a log line's step reads the gradients once; a norm that is not finite may be the overflow of a
+        sum of finite squares, so the gradients are then checked one by one as on any other step."""
         max_norm = self.config.max_grad_norm or None
         if max_norm or self.grad_norm_due():
             self.grad_norm = self.gradient_norm(parameters, max_norm)
             if max_norm:
                 return bool(torch.isfinite(self.grad_norm))
+            if self.config.skip_nonfinite_grad and bool(torch.isfinite(self.grad_norm)):
+                return True
         if self.config.skip_nonfinite_grad:
             grads = [p.grad for p in parameters if p.grad is not None]
             if self._sharded_grads is None:  # the model's layout is fixed once training runs: looked at once
