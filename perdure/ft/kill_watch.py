@@ -12,8 +12,16 @@ the second handler before torch's own exit handlers (registered earlier, run lat
 Python thread wakes, calls `on_kill` (which says so and records the attempt; given `ACT_SECONDS`) and ends the
 process with `os._exit(KILLED_EXIT_CODE)`. `disarm()` (when the runner closes, and as a Python `atexit` handler,
 which runs before the interpreter finalizes) posts `release` and wakes the thread to end: the C handlers that run at
-a normal exit then return at once. C exit handlers cannot be removed: each armed watch leaves two that do nothing after
-`disarm()`, and 64 bytes of semaphores.
+a normal exit then return at once. C exit handlers cannot be removed: each registered pair leaves two that do nothing
+after `disarm()`; each watch 64 bytes of semaphores.
+
+Exit handlers run last registered first, and C++ registers the destructor of a function-local static when the static
+is first built: one that torch, gloo or torchft first builds after `arm()` (the manager's start, the first
+all-reduce) is destroyed at `exit()` *before* the watch parks the exiting thread, while the training thread may still
+use it (a group killed from the dashboard then died by SIGSEGV in `torch.accelerator`, exit -11, nothing recorded).
+`rearm()` registers the pair again, on the same semaphores, so that it runs before those: the runner calls it once its
+manager is built and at its first two commits (after the first all-reduce, and after a whole step). `disarm()` posts
+`release` once per pair.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ class KillWatch:
         self._on_kill = on_kill
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._began = self._release = 0
+        self._pairs = 0  # registered pairs of C exit handlers, each waiting once on `release` at a normal exit
         self._disarmed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -65,36 +74,50 @@ class KillWatch:
         return address
 
     def arm(self) -> KillWatch:
-        libc = self._libc
         self._began, self._release = self._semaphore(), self._semaphore()
-        handler = ctypes.cast(libc.sem_post, ctypes.c_void_p)
-        wait = ctypes.cast(libc.sem_wait, ctypes.c_void_p)
-        # Run in reverse order of registration: `sem_post(began)` first, then `sem_wait(release)`.
-        for function, argument in ((wait, self._release), (handler, self._began)):
-            if libc["__cxa_atexit"](function, ctypes.c_void_p(argument), None) != 0:
-                raise OSError(ctypes.get_errno(), "__cxa_atexit failed for the kill watch")
+        self._register()
         atexit.register(self.disarm)
         os.register_at_fork(after_in_child=self._forked)  # a forked child (a data worker) has no watch thread
         self._thread = threading.Thread(target=self._watch, name="perdure-ft-kill-watch", daemon=True)
         self._thread.start()
         return self
 
+    def rearm(self) -> None:
+        """Register the watch's exit handlers again, ahead of every handler registered so far (module docstring).
+        Call it after code that may first build C++ statics has run; each call leaves two more C handlers."""
+        if self._thread is not None and not self._disarmed.is_set():
+            self._register()
+
+    def _register(self) -> None:
+        libc = self._libc
+        handler = ctypes.cast(libc.sem_post, ctypes.c_void_p)
+        wait = ctypes.cast(libc.sem_wait, ctypes.c_void_p)
+        # Run in reverse order of registration: `sem_post(began)` first, then `sem_wait(release)`.
+        for function, argument in ((wait, self._release), (handler, self._began)):
+            if libc["__cxa_atexit"](function, ctypes.c_void_p(argument), None) != 0:
+                raise OSError(ctypes.get_errno(), "__cxa_atexit failed for the kill watch")
+            self._pairs += function is wait
+
+    def _release_every_pair(self) -> None:
+        for _ in range(self._pairs):
+            self._libc.sem_post(ctypes.c_void_p(self._release))
+
     def disarm(self) -> None:
         """The process ends (or the runner closes) through Python: the watch stands down. Idempotent."""
         if self._thread is None or self._disarmed.is_set():
             return
         self._disarmed.set()
-        self._libc.sem_post(ctypes.c_void_p(self._release))
+        self._release_every_pair()
         self._libc.sem_post(ctypes.c_void_p(self._began))
         self._thread.join(timeout=5)
         atexit.unregister(self.disarm)
 
     def _forked(self) -> None:
         """In a child forked through Python: the inherited C handlers must not park its exit (nothing would wake
-        them); its copy of `release` is posted, once."""
+        them); its copy of `release` is posted, once per pair."""
         if not self._disarmed.is_set():
             self._disarmed.set()
-            self._libc.sem_post(ctypes.c_void_p(self._release))
+            self._release_every_pair()
             atexit.unregister(self.disarm)
 
     def _watch(self) -> None:

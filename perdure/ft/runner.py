@@ -99,6 +99,7 @@ class FaultTolerant(AttemptHooks):
         self.ft_progress = FTProgress(self.group_size)
         self.ft_manager: Any = None
         self._kill_watch: KillWatch | None = None
+        self._rearms_at_commit = 2  # the first commit follows the first all-reduce; the second, a whole step
         self._ft_store: Any = None
         self._averager: GradientAverager | None = None
         self._quorum_open = False  # a quorum was taken for the coming step (a healed group re-reads its window)
@@ -226,6 +227,9 @@ class FaultTolerant(AttemptHooks):
         self.telemetry.step_outcome(committed)
         participants = manager.num_participants()
         if committed:
+            if self._kill_watch is not None and self._rearms_at_commit:  # ... and of what the first steps build
+                self._rearms_at_commit -= 1
+                self._kill_watch.rearm()
             self._uncommitted_in_row = 0
             self.ft_progress.step = manager.current_step()
             self.ft_progress.batches_committed = manager.batches_committed()
@@ -330,6 +334,8 @@ class FaultTolerant(AttemptHooks):
         if self.rank == 0:  # the process that runs the group's manager server, which torchft's kill ends
             self._kill_watch = KillWatch(self._stopped_from_outside).arm()
         self.ft_manager, self._ft_store = build_manager(settings, self._ft_state_dict, self._ft_load_state_dict)
+        if self._kill_watch is not None:  # ahead of the exit handlers of what the manager's start built
+            self._kill_watch.rearm()
         progress = self.ft_progress
         if progress.restored is None:  # a fresh start, or a checkpoint of a plain run: one commit per step taken
             progress.step = self.state.global_step + self.state.skipped_steps
