@@ -96,7 +96,8 @@ class KillWatch:
         for function, argument in ((wait, self._release), (handler, self._began)):
             if libc["__cxa_atexit"](function, ctypes.c_void_p(argument), None) != 0:
                 raise OSError(ctypes.get_errno(), "__cxa_atexit failed for the kill watch")
-            self._pairs += function is wait
+            if function is wait:  # registered: a normal exit runs it, so `disarm` must post `release` for it
+                self._pairs += 1
 
     def _release_every_pair(self) -> None:
         for _ in range(self._pairs):
